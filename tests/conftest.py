@@ -1,0 +1,50 @@
+"""Shared fixtures: the real SmolLM2 tokenizer/model directory and a tiny random model.
+
+The tiny model keeps the fast suite fast; it uses the real SmolLM2 tokenizer so text paths
+are exercised with real byte-level BPE pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+CACHE_DIR = Path(os.environ.get("TOKENWIRE_CACHE_DIR", Path.home() / ".cache" / "tokenwire"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """Converted SmolLM2-135M-Instruct (config, safetensors, tokenizer), cached on disk."""
+    from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir
+
+    return resolve_model_dir(DEFAULT_MODEL, CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
+    """A 2-layer Llama config with SmolLM2's tokenizer; weights are built at load time
+    (--load-format dummy), so nothing big is written."""
+    out = tmp_path_factory.mktemp("tiny-llama")
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    config.update(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+    )
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (smollm2_dir / name).exists():
+            (out / name).write_bytes((smollm2_dir / name).read_bytes())
+    return out

@@ -1,0 +1,170 @@
+"""The model worker as a real process on loopback: multiplexed Generate, errors, health, reflection.
+
+Runs on the tiny random-weight model (SmolLM2 tokenizer), so it is fast and CPU-only.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tokenwire.grpc_server import CHANNEL_OPTIONS
+from tokenwire.packing import unpack_float32, unpack_int32_list
+from tokenwire.stack import free_port, spawn, wait_grpc_serving
+from tokenwire.v1 import model_worker_pb2 as pb
+from tokenwire.v1 import model_worker_pb2_grpc
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def worker_address(tiny_model_dir):
+    port = free_port()
+    proc = spawn("model_worker", "model_worker", [
+        "--port", str(port), "--model", str(tiny_model_dir), "--load-format", "dummy",
+        "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "64",
+        "--num-threads", "1"])
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_grpc_serving(proc, address, 120)
+        yield address
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def stub(worker_address):
+    with grpc.insecure_channel(worker_address, options=CHANNEL_OPTIONS) as channel:
+        yield model_worker_pb2_grpc.ModelWorkerStub(channel)
+
+
+def add(request_id: str, prompt: list[int], max_tokens: int = 8, **kwargs) -> pb.AddRequest:
+    sampling = kwargs.pop("sampling", pb.SamplingParams())
+    return pb.AddRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens,
+                         sampling=sampling, ignore_eos=kwargs.pop("ignore_eos", True), **kwargs)
+
+
+def run_stream(stub, frames: list[pb.RequestFrame]) -> dict[str, dict]:
+    """Sends frames, closes, and collects every request's tokens and final SequenceTokens."""
+    results: dict[str, dict] = {}
+    num_frames = 0
+    for frame in stub.Generate(iter(frames), timeout=60):
+        num_frames += 1
+        for seq in frame.sequences:
+            r = results.setdefault(seq.request_id, {"tokens": [], "logprobs": [], "top": [], "last": None,
+                                                    "finishes": []})
+            r["tokens"] += unpack_int32_list(seq.token_ids)
+            r["logprobs"] += unpack_float32(seq.logprobs).tolist()
+            r["top"] += unpack_int32_list(seq.top_token_ids)
+            if seq.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                r["finishes"].append(seq.finish_reason)
+                r["last"] = seq
+    return results
+
+
+def test_model_info(stub):
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.vocab_size == 49152
+    assert info.max_model_len == MAX_MODEL_LEN
+    assert list(info.eos_token_ids) == [2]
+    assert "<|im_start|>" in info.chat_template
+    assert len(info.tokenizer.sha256) == 64 and info.tokenizer.path
+
+
+def test_multiplexed_requests_finish_with_length_and_counts(stub):
+    prompts = {f"r{i}": list(range(10, 10 + 3 * i + 1)) for i in range(6)}  # 6 > 4 slots: some wait
+    frame = pb.RequestFrame(adds=[add(rid, p, max_tokens=5 + i) for i, (rid, p) in enumerate(prompts.items())])
+    results = run_stream(stub, [frame])
+    assert set(results) == set(prompts)
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        last = results[rid]["last"]
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(results[rid]["tokens"]) == 5 + i == last.num_output_tokens
+        assert last.num_prompt_tokens == len(prompt)
+
+
+def test_greedy_is_deterministic_and_independent_of_batch(stub):
+    prompt = [5, 6, 7, 8, 9]
+    alone = run_stream(stub, [pb.RequestFrame(adds=[add("a", prompt, 12)])])["a"]["tokens"]
+    others = [add(f"o{i}", list(range(100 + i, 120 + 2 * i)), 12) for i in range(3)]
+    batched = run_stream(stub, [pb.RequestFrame(adds=[*others, add("a", prompt, 12)])])["a"]["tokens"]
+    assert alone == batched and len(alone) == 12
+
+
+def test_seeded_sampling_is_reproducible_amid_other_requests(stub):
+    sampling = pb.SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=1234)
+    first = run_stream(stub, [pb.RequestFrame(adds=[add("s", [1, 2, 3], 16, sampling=sampling)])])["s"]["tokens"]
+    others = [add(f"u{i}", [9, 9, 9, i], 16, sampling=pb.SamplingParams(temperature=1.0)) for i in range(3)]
+    second = run_stream(stub, [pb.RequestFrame(adds=[*others, add("s", [1, 2, 3], 16, sampling=sampling)])])
+    assert first == second["s"]["tokens"]
+
+
+def test_logprobs_are_packed_per_token(stub):
+    results = run_stream(stub, [pb.RequestFrame(adds=[add("l", [1, 2, 3], 6, logprobs=True, top_logprobs=3)])])
+    assert results["l"]["finishes"] == [pb.FINISH_REASON_LENGTH]
+    r = results["l"]
+    assert len(r["logprobs"]) == 6 and all(lp <= 0.0 for lp in r["logprobs"])
+    assert len(r["top"]) == 6 * 3
+    # Greedy: the chosen token is the most likely one.
+    assert [r["top"][3 * i] for i in range(6)] == r["tokens"]
+
+
+def test_stop_token_ends_with_stop(stub):
+    prompt = [5, 6, 7, 8, 9]
+    greedy = run_stream(stub, [pb.RequestFrame(adds=[add("g", prompt, 10)])])["g"]["tokens"]
+    stop_at = greedy[3]
+    results = run_stream(stub, [pb.RequestFrame(adds=[add("g", prompt, 10, stop_token_ids=[stop_at])])])
+    last = results["g"]["last"]
+    assert last.finish_reason == pb.FINISH_REASON_STOP and last.stop_token_id == stop_at
+    assert results["g"]["tokens"] == greedy[:greedy.index(stop_at) + 1]
+
+
+@pytest.mark.parametrize("bad_add, message", [
+    (add("e", []), "empty"),
+    (add("e", [1, 49152]), "outside the vocabulary"),
+    (add("e", [1] * MAX_MODEL_LEN), "context"),
+    (add("e", [1, 2], max_tokens=MAX_MODEL_LEN), "maximum context length"),
+    (add("e", [1, 2], sampling=pb.SamplingParams(temperature=-1)), "temperature"),
+    (add("e", [1, 2], sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+    (add("e", [1, 2], max_tokens=-3), "max_tokens"),
+])
+def test_bad_requests_fail_alone_with_invalid_argument(stub, bad_add, message):
+    results = run_stream(stub, [pb.RequestFrame(adds=[bad_add, add("ok", [1, 2, 3], 3)])])
+    err = results["e"]["last"]
+    assert err.finish_reason == pb.FINISH_REASON_ERROR
+    assert err.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert message in err.error.message
+    assert results["ok"]["last"].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_duplicate_request_id_is_refused(stub):
+    results = run_stream(stub, [pb.RequestFrame(adds=[add("d", [1, 2], 50), add("d", [3, 4], 5)])])
+    # The refused duplicate gets its own error under the id; the first still runs to its end.
+    assert results["d"]["finishes"] == [pb.FINISH_REASON_ERROR, pb.FINISH_REASON_LENGTH]
+    assert len(results["d"]["tokens"]) == 50
+
+
+def test_abort_ends_request_with_abort_and_frees_slot(stub):
+    def frames():
+        yield pb.RequestFrame(adds=[add("long", [1, 2, 3], MAX_MODEL_LEN - 10)])
+        yield pb.RequestFrame(aborts=[pb.AbortRequest(request_id="long")])
+    results = run_stream(stub, list(frames()))
+    last = results["long"]["last"]
+    assert last.finish_reason == pb.FINISH_REASON_ABORT
+    assert len(results["long"]["tokens"]) < MAX_MODEL_LEN - 10
+    # All 4 slots usable afterwards: 4 concurrent requests all finish.
+    again = run_stream(stub, [pb.RequestFrame(adds=[add(f"x{i}", [1, 2], 4) for i in range(4)])])
+    assert all(r["last"].finish_reason == pb.FINISH_REASON_LENGTH for r in again.values())
+
+
+def test_health_and_reflection(worker_address):
+    with grpc.insecure_channel(worker_address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(
+            service="tokenwire.v1.ModelWorker"), timeout=5)
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for r in replies for s in r.list_services_response.service}
+        assert "tokenwire.v1.ModelWorker" in names and "grpc.health.v1.Health" in names

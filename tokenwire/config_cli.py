@@ -1,0 +1,96 @@
+"""Builds a service's Config dataclass from CLI flags, with TOKENWIRE_* env fallbacks.
+
+Each service's __main__ calls parse_config(Config) once; the Config validates itself in
+__post_init__ and is the only thing that reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+ConfigT = TypeVar("ConfigT")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _env_name(prefix: str, name: str) -> str:
+    return f"{prefix}{name.upper()}"
+
+
+def _base_type(tp: Any) -> Any:
+    """int for `int | None`, list[str] stays list[str]."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def _convert(tp: Any, raw: str) -> Any:
+    tp = _base_type(tp)
+    if tp is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {raw!r}")
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        return [item(part.strip()) for part in raw.split(",") if part.strip()]
+    return tp(raw)
+
+
+def parse_config(cls: type[ConfigT], argv: Sequence[str] | None = None, env_prefix: str = "TOKENWIRE_",
+                 description: str | None = None) -> ConfigT:
+    """Flags come from field names (max_num_seqs -> --max-num-seqs), help from field metadata.
+
+    Precedence: flag, then environment (TOKENWIRE_MAX_NUM_SEQS), then the field default.
+    List fields take comma-separated values.
+    """
+    hints = typing.get_type_hints(cls)
+    parser = argparse.ArgumentParser(description=description or (cls.__doc__ or "").strip())
+    for field in dataclasses.fields(cls):
+        tp = hints[field.name]
+        help_text = field.metadata.get("help", "")
+        env = _env_name(env_prefix, field.name)
+        if _base_type(tp) is bool:
+            parser.add_argument(_flag(field.name), dest=field.name, default=None,
+                                action=argparse.BooleanOptionalAction, help=f"{help_text} [env {env}]")
+        else:
+            parser.add_argument(_flag(field.name), dest=field.name, default=None,
+                                help=f"{help_text} [env {env}]")
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        raw = getattr(args, field.name)
+        if raw is None:
+            raw = os.environ.get(_env_name(env_prefix, field.name))
+        if raw is None:
+            continue
+        tp = hints[field.name]
+        try:
+            values[field.name] = raw if isinstance(raw, bool) else _convert(tp, raw)
+        except ValueError as exc:
+            parser.error(f"{_flag(field.name)}: {exc}")
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def cli_flags(cls: type) -> set[str]:
+    """The flags parse_config accepts for cls (compose.yaml is checked against these)."""
+    flags = set()
+    for field in dataclasses.fields(cls):
+        flags.add(_flag(field.name))
+        if _base_type(typing.get_type_hints(cls)[field.name]) is bool:
+            flags.add("--no-" + field.name.replace("_", "-"))
+    return flags

@@ -1,0 +1,165 @@
+"""Starts the three services as separate processes and waits until each answers its health check.
+
+`make serve` runs `python -m tokenwire.stack`; the end-to-end tests use start_stack() so they
+exercise exactly the processes a user runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServiceFailedToStart(RuntimeError):
+    pass
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    args: list[str]
+    process: subprocess.Popen
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise ServiceFailedToStart(f"{self.name} exited with code {self.process.returncode}: {' '.join(self.args)}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def spawn(name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> ServiceProcess:
+    argv = [sys.executable, "-m", module, *args]
+    return ServiceProcess(name, argv, subprocess.Popen(argv, env={**os.environ, **(env or {})}))
+
+
+def wait_grpc_serving(service: ServiceProcess, address: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            service.check_alive()
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServiceFailedToStart(f"{service.name} not serving on {address} after {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+
+def wait_http_ok(service: ServiceProcess, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        service.check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServiceFailedToStart(f"{service.name} not answering {url} after {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
+@dataclass
+class Stack:
+    model_worker_address: str
+    detok_addresses: list[str]
+    gateway_url: str
+    services: list[ServiceProcess] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for service in reversed(self.services):
+            service.stop()
+
+
+@contextlib.contextmanager
+def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host: str = "127.0.0.1",
+                gateway_port: int | None = None, gateway_args: Sequence[str] = (),
+                timeout_s: float = 300.0) -> Iterator[Stack]:
+    """Model worker, num_detok detok replicas and the gateway, on free loopback ports."""
+    mw_addr = f"{host}:{free_port()}"
+    detok_addrs = [f"{host}:{free_port()}" for _ in range(num_detok)]
+    port = gateway_port or free_port()
+    stack = Stack(mw_addr, detok_addrs, f"http://{host}:{port}")
+    try:
+        mw = spawn("model_worker", "model_worker", ["--host", host, "--port", mw_addr.rsplit(":", 1)[1],
+                                                    *model_worker_args])
+        stack.services.append(mw)
+        detoks = []
+        for addr in detok_addrs:
+            detoks.append(spawn("detok_worker", "detok_worker", ["--host", host, "--port", addr.rsplit(":", 1)[1]]))
+            stack.services.append(detoks[-1])
+        for d, addr in zip(detoks, detok_addrs):
+            wait_grpc_serving(d, addr, timeout_s)
+        wait_grpc_serving(mw, mw_addr, timeout_s)
+        gw = spawn("gateway", "gateway", ["--host", host, "--port", str(port), "--model-worker", mw_addr,
+                                          "--detok-workers", ",".join(detok_addrs), *gateway_args])
+        stack.services.append(gw)
+        wait_http_ok(gw, f"{stack.gateway_url}/health", timeout_s)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Start model worker, detok worker(s) and gateway.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    parser.add_argument("--num-detok", type=int, default=1)
+    parser.add_argument("model_worker_args", nargs=argparse.REMAINDER,
+                        help="after --, flags for the model worker (e.g. -- --model /path/to/model.gguf)")
+    args = parser.parse_args()
+    extra = [a for a in args.model_worker_args if a != "--"]
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with start_stack(extra, args.num_detok, args.host, args.port) as stack:
+        print(f"tokenwire is up: OpenAI API at {stack.gateway_url}/v1 "
+              f"(model worker {stack.model_worker_address}, detok {','.join(stack.detok_addresses)})",
+              flush=True)
+        while not stopping:
+            for service in stack.services:
+                if service.process.poll() is not None:
+                    print(f"{service.name} exited with code {service.process.returncode}; stopping",
+                          file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

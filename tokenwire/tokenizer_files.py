@@ -1,0 +1,52 @@
+"""Tokenizer identity: where a tokenizer lives and the hash that proves it is the same one.
+
+The model worker publishes a TokenizerIdentity; the gateway and every detok replica load
+from it and refuse a tokenizer.json whose hash differs from what the worker serves.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from tokenwire.v1 import common_pb2
+
+TOKENIZER_JSON = "tokenizer.json"
+
+
+class TokenizerMismatchError(ValueError):
+    pass
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_identity(tokenizer_dir: str | Path) -> common_pb2.TokenizerIdentity:
+    tokenizer_dir = Path(tokenizer_dir).resolve()
+    return common_pb2.TokenizerIdentity(
+        path=str(tokenizer_dir), sha256=file_sha256(tokenizer_dir / TOKENIZER_JSON)
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _load_verified(path: str, sha256: str) -> Tokenizer:
+    tokenizer_json = Path(path) / TOKENIZER_JSON
+    if not tokenizer_json.is_file():
+        raise TokenizerMismatchError(f"no {TOKENIZER_JSON} in {path}")
+    actual = file_sha256(tokenizer_json)
+    if sha256 and actual != sha256:
+        raise TokenizerMismatchError(f"{tokenizer_json} has sha256 {actual[:12]}…, expected {sha256[:12]}…")
+    return Tokenizer.from_file(str(tokenizer_json))
+
+
+def load_tokenizer(identity: common_pb2.TokenizerIdentity) -> Tokenizer:
+    """The `tokenizers` Tokenizer named by identity, cached per (path, hash)."""
+    return _load_verified(identity.path, identity.sha256)
