@@ -61,7 +61,7 @@ async def serve(config: Config) -> None:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     context = hf_config.get("max_position_embeddings", 2048)
-    max_model_len = config.max_model_len or min(context, 4096)
+    max_model_len = config.max_model_len or min(context, 2048)
     runner = ModelRunner(model_dir, config.load_format, device, dtype, config.max_num_seqs, max_model_len)
     eos_ids = default_eos_ids(_read_json(model_dir / "generation_config.json"), hf_config)
     engine = LLMEngine(runner, eos_ids, config.max_num_seqs, config.max_num_batched_tokens,

@@ -28,7 +28,7 @@ class Config:
     device: str = field(default="auto", metadata={"help": "auto (cuda when present), cpu or cuda"})
     max_num_seqs: int = field(default=32, metadata={"help": "most requests running at once (KV cache slots)"})
     max_model_len: int = field(default=0, metadata={
-        "help": "longest prompt + output in tokens; 0: the model's context, capped at 4096"})
+        "help": "longest prompt + output in tokens; 0: the model's context, capped at 2048 (each slot reserves it)"})
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "token budget of one engine step (prefill tokens + one per decode)"})
     max_waiting_requests: int = field(default=1024, metadata={

@@ -118,7 +118,7 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
         for addr in detok_addrs:
             detoks.append(spawn("detok_worker", "detok_worker", ["--host", host, "--port", addr.rsplit(":", 1)[1]]))
             stack.services.append(detoks[-1])
-        for d, addr in zip(detoks, detok_addrs):
+        for d, addr in zip(detoks, detok_addrs, strict=True):
             wait_grpc_serving(d, addr, timeout_s)
         wait_grpc_serving(mw, mw_addr, timeout_s)
         gw = spawn("gateway", "gateway", ["--host", host, "--port", str(port), "--model-worker", mw_addr,

@@ -1,0 +1,162 @@
+"""Detok throughput: the detok worker's frame loop against per-token alternatives, side by side.
+
+Sits beside the detok worker, not in it: drives DetokenizeStream.apply directly (no gRPC) on
+256 interleaved sequences with 2 stop strings each, next to tokenizers' DecodeStream and a
+naive full re-decode per token, all on the real SmolLM2 tokenizer in one process.
+
+    .venv/bin/python bench/bench_detok.py --sequences 256 --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+# Run as a script (`python bench/bench_detok.py`), sys.path[0] is bench/; the packages sit
+# one level up and need not be pip-installed.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from detok_worker.stop_strings import StopStringMatcher  # noqa: E402
+from detok_worker.stream import DetokenizeStream  # noqa: E402
+from detok_worker.token_bytes import TokenizerDecoding  # noqa: E402
+from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
+from tokenwire.packing import pack_int32  # noqa: E402
+from tokenwire.v1 import common_pb2  # noqa: E402
+from tokenwire.v1 import detok_worker_pb2 as pb  # noqa: E402
+
+# Never in the corpus, so every sequence runs to its last token and matching is pure cost.
+STOPS = ["\n\nObservation:", "</final_answer>"]
+# Built in, so the ids (and the numbers) do not move when files in the repo change.
+CORPUS = [
+    "The café on the corner serves crème brûlée and naïve jokes to everyone who walks in. ",
+    "Der Bär läuft über die Brücke, während die Größe der Straße überrascht. ",
+    "Привет, как дела? Всё хорошо, спасибо. 東京は日本の首都です。中文文本也在这里。",
+    "한국어 텍스트도 있습니다. مرحبا بالعالم. שלום עולם. नमस्ते दुनिया. 🙂👍🏽🍣✨🇯🇵 ",
+    "Streaming detokenization turns token ids into text a few ids at a time; a stop string "
+    "may straddle two frames, and a character may straddle two tokens.\n",
+    "def decode(ids: list[int]) -> str:\n    return b''.join(table[i] for i in ids).decode()\n\n",
+    "| model | tokens/s | p50 ms |\n|---|---:|---:|\n| SmolLM2-135M | 1234.5 | 12.3 |\n",
+    '{"role": "assistant", "content": "Sure! Here is the answer: 42."}\n',
+]
+
+
+def corpus_ids(tokenizer: Tokenizer) -> list[int]:
+    """Realistic ids: prose, several scripts, emoji, code, markdown and JSON."""
+    return tokenizer.encode("".join(CORPUS) * 8).ids
+
+
+def sequences_ids(ids: list[int], num_sequences: int, num_tokens: int) -> list[list[int]]:
+    stride = max(1, (len(ids) - num_tokens) // num_sequences)
+    return [ids[i * stride:i * stride + num_tokens] for i in range(num_sequences)]
+
+
+def run_frame_loop(decoding: TokenizerDecoding, seqs: list[list[int]], tokens_per_frame: int) -> tuple[float, list[str]]:
+    """Frames as the model worker's decode steps send them: every sequence, a few ids each."""
+    stream = DetokenizeStream(open_decoding=lambda _identity: decoding)
+    names = [f"seq-{i}" for i in range(len(seqs))]
+    identity = common_pb2.TokenizerIdentity(path="bench")
+    stream.apply(pb.DetokenizeFrame(opens=[
+        pb.OpenSequence(sequence_id=name, tokenizer=identity, skip_special_tokens=True, stop=STOPS)
+        for name in names
+    ]))
+    num_tokens = len(seqs[0])
+    frames = []
+    for start in range(0, num_tokens, tokens_per_frame):
+        end = min(start + tokens_per_frame, num_tokens)
+        frames.append(pb.DetokenizeFrame(tokens=[
+            pb.SequenceTokenIds(sequence_id=name, token_ids=pack_int32(ids[start:end]), finished=end == num_tokens)
+            for name, ids in zip(names, seqs, strict=True)
+        ]))
+    began = time.perf_counter()
+    replies = [stream.apply(frame) for frame in frames]
+    seconds = time.perf_counter() - began
+    texts = dict.fromkeys(names, "")
+    for reply in replies:
+        for delta in reply.deltas:
+            texts[delta.sequence_id] += delta.text
+    return seconds, list(texts.values())
+
+
+def run_decode_stream(tokenizer: Tokenizer, seqs: list[list[int]]) -> tuple[float, list[str]]:
+    """tokenizers' DecodeStream, one step() per token, sequences interleaved, stops matched too."""
+    streams = [DecodeStream(skip_special_tokens=True) for _ in seqs]
+    matchers = [StopStringMatcher(STOPS) for _ in seqs]
+    texts = [""] * len(seqs)
+    began = time.perf_counter()
+    for position in range(len(seqs[0])):
+        for i, ids in enumerate(seqs):
+            piece = streams[i].step(tokenizer, ids[position])
+            if piece:
+                texts[i] += matchers[i].push(piece)[0]
+    return time.perf_counter() - began, [t + m.finish() for t, m in zip(texts, matchers, strict=True)]
+
+
+def run_naive(tokenizer: Tokenizer, seqs: list[list[int]]) -> tuple[float, list[str]]:
+    """Decode every sequence's whole text again after each token and emit the new tail."""
+    texts = [""] * len(seqs)
+    began = time.perf_counter()
+    for position in range(len(seqs[0])):
+        for i, ids in enumerate(seqs):
+            full = tokenizer.decode(ids[:position + 1], skip_special_tokens=True)
+            if not full.endswith("\ufffd"):
+                texts[i] = full
+    return time.perf_counter() - began, texts
+
+
+def best_of(repeats: int, run: Callable[[], tuple[float, list[str]]]) -> tuple[float, list[str]]:
+    results = [run() for _ in range(repeats)]
+    return min(results, key=lambda r: r[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="'default' (SmolLM2) or a model directory")
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "tokenwire")
+    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=128, help="generated tokens per sequence")
+    parser.add_argument("--naive-sequences", type=int, default=16, help="sample size for the O(n^2) naive way")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    model_dir = resolve_model_dir(args.model, args.cache_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    began = time.perf_counter()
+    decoding = TokenizerDecoding(tokenizer)
+    build_s = time.perf_counter() - began
+    table_only = TokenizerDecoding(tokenizer, use_tiktoken=False)
+    seqs = sequences_ids(corpus_ids(tokenizer), args.sequences, args.tokens)
+    expected = [tokenizer.decode(ids, skip_special_tokens=True) for ids in seqs]
+
+    rows: list[tuple[str, int, float]] = []
+    for tokens_per_frame in (1, 4):
+        for label, dec in (("tiktoken", decoding), ("python table", table_only)):
+            seconds, texts = best_of(args.repeats, lambda d=dec, k=tokens_per_frame: run_frame_loop(d, seqs, k))
+            assert texts == expected, "frame loop output differs from tokenizer.decode"
+            rows.append((f"frame loop, {tokens_per_frame} tok/frame, {label}", args.sequences * args.tokens, seconds))
+    seconds, texts = best_of(args.repeats, lambda: run_decode_stream(tokenizer, seqs))
+    # DecodeStream has no flush: a sequence ending inside a character loses its last piece.
+    assert all(e.startswith(t) for e, t in zip(expected, texts, strict=True)), "DecodeStream differs"
+    lost_tails = sum(e != t for e, t in zip(expected, texts, strict=True))
+    rows.append(("DecodeStream.step per token (+ stops)", args.sequences * args.tokens, seconds))
+    sample = seqs[:args.naive_sequences]
+    seconds, texts = best_of(1, lambda: run_naive(tokenizer, sample))
+    rows.append((f"naive full re-decode per token ({len(sample)} seqs)", len(sample) * args.tokens, seconds))
+
+    print(f"SmolLM2 tokenizer, {args.sequences} sequences x {args.tokens} tokens, stops {STOPS!r}; "
+          f"tables built in {build_s:.2f} s; best of {args.repeats}")
+    print(f"{'method':<48} {'tokens':>8} {'seconds':>9} {'tokens/s':>12} {'us/token':>9}")
+    for name, num_tokens, seconds in rows:
+        print(f"{name:<48} {num_tokens:>8} {seconds:>9.4f} {num_tokens / seconds:>12,.0f} "
+              f"{1e6 * seconds / num_tokens:>9.2f}")
+    print(f"DecodeStream dropped the unfinished last character of {lost_tails} sequences (it cannot flush)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+"""tokenwire's detok worker: a gRPC service turning streams of token ids into UTF-8 text deltas.
+
+Sits between the model worker's token frames and the gateway's streamed text; flow:
+token_bytes -> incremental -> stop_strings, per sequence in sequence.py, per stream in
+stream.py, served by servicer.py.
+"""

@@ -1,0 +1,38 @@
+"""Entry point of the detok worker: `python -m detok_worker --host 127.0.0.1 --port 50052`.
+
+Builds the Config from flags and TOKENWIRE_DETOK_* env, then serves the Detokenizer
+service with health and reflection until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from detok_worker.config import Config
+from detok_worker.servicer import SERVICE_FULL_NAME, DetokenizerServicer
+from tokenwire.config_cli import parse_config
+from tokenwire.grpc_server import add_health_and_reflection, mark_serving, new_server, serve_until_signal
+from tokenwire.v1 import detok_worker_pb2_grpc
+
+logger = logging.getLogger("detok_worker")
+
+
+async def serve(config: Config) -> None:
+    server = new_server()
+    detok_worker_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerServicer(), server)
+    health_servicer = add_health_and_reflection(server, [SERVICE_FULL_NAME])
+    await mark_serving(health_servicer, [SERVICE_FULL_NAME])
+    logger.info("detok worker serving %s on %s", SERVICE_FULL_NAME, config.address)
+    await serve_until_signal(server, config.address)
+
+
+def main() -> None:
+    config = parse_config(Config, env_prefix="TOKENWIRE_DETOK_")
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Incremental detokenizers for one sequence: token ids in, new whole-character text out.
+
+Second step of the detok flow, between token_bytes.py (ids -> bytes) and the stop-string
+matcher; sequence.py owns one of these per open sequence.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from detok_worker.token_bytes import TokenBytes, TokenizerDecoding
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer(Protocol):
+    def feed(self, token_ids: Sequence[int]) -> str:
+        """Text completed by these ids; raises ValueError on an id not in the vocabulary."""
+        ...
+
+    def finish(self) -> str:
+        """Whatever is still held back (an unfinished character decodes to U+FFFD)."""
+        ...
+
+    def tokens_for_chars(self, token_ids: Sequence[int], num_chars: int) -> int:
+        """How many of the last feed's ids it took for that feed's text to reach num_chars
+        characters (stop accounting); len(token_ids) if it never did."""
+        ...
+
+
+class ByteLevelDetokenizer:
+    """Byte-level BPE: bytes are context-free, so text is the UTF-8 decoding of the
+    concatenated token bytes and the prompt never matters."""
+
+    __slots__ = ("token_bytes", "_pending", "_pending_before_feed")
+
+    def __init__(self, token_bytes: TokenBytes) -> None:
+        self.token_bytes = token_bytes
+        self._pending = b""  # the start of a character whose remaining bytes are still to come
+        self._pending_before_feed = b""
+
+    def feed(self, token_ids: Sequence[int]) -> str:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        self.token_bytes.check_ids(ids)
+        return self.feed_bytes(self.token_bytes.decode(ids))
+
+    def feed_bytes(self, chunk: bytes) -> str:
+        """The frame loop's entry: chunk is this sequence's slice of the frame's bytes."""
+        # This is codecs.getincrementaldecoder("utf-8")(errors="replace").decode inlined: same
+        # function, same buffering, so the deltas concatenate to bytes.decode("utf-8",
+        # "replace"), which is Rust's String::from_utf8_lossy that tokenizers' decode uses.
+        # Inlined to keep the pending bytes at hand for tokens_for_chars (and save a call).
+        self._pending_before_feed = self._pending
+        data = self._pending + chunk
+        text, consumed = codecs.utf_8_decode(data, "replace", False)
+        self._pending = data[consumed:]
+        return text
+
+    def finish(self) -> str:
+        text, _ = codecs.utf_8_decode(self._pending, "replace", True)
+        self._pending_before_feed = self._pending
+        self._pending = b""
+        return text
+
+    def tokens_for_chars(self, token_ids: Sequence[int], num_chars: int) -> int:
+        pieces = self.token_bytes.pieces
+        pending = self._pending_before_feed
+        produced = 0
+        for count, token_id in enumerate(token_ids, start=1):
+            data = pending + pieces[token_id]
+            text, consumed = codecs.utf_8_decode(data, "replace", False)
+            pending = data[consumed:]
+            produced += len(text)
+            if produced >= num_chars:
+                return count
+        return len(token_ids)
+
+
+class WindowDetokenizer:
+    """Any other tokenizer: re-decode a short window of ids and emit what it adds past the
+    window's already-emitted prefix (vLLM's prefix/read offsets). Decoders such as
+    Metaspace strip the space of the first token they see, so the window always starts one
+    step back (or in the prompt tail) to decode the next piece with its leading space."""
+
+    __slots__ = ("_tokenizer", "_vocab_size", "_skip_special_tokens", "_ids", "_read_offset",
+                 "_prefix_text", "_window_before_feed", "_prefix_text_before_feed")
+
+    def __init__(self, decoding: TokenizerDecoding, skip_special_tokens: bool,
+                 prompt_tail_ids: Sequence[int] = ()) -> None:
+        self._tokenizer = decoding.tokenizer
+        self._vocab_size = decoding.vocab_size
+        self._skip_special_tokens = skip_special_tokens
+        self._check(prompt_tail_ids)
+        # _ids[:_read_offset] is the window prefix already emitted (or prompt); the rest is
+        # held because its text still ends in an unfinished character.
+        self._ids: list[int] = list(prompt_tail_ids)
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        self._window_before_feed: list[int] = []
+        self._prefix_text_before_feed = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
+
+    def _check(self, token_ids: Sequence[int]) -> None:
+        for token_id in token_ids:
+            if not 0 <= token_id < self._vocab_size:
+                raise ValueError(f"token id {token_id} is not in the tokenizer's vocabulary (size {self._vocab_size})")
+
+    def feed(self, token_ids: Sequence[int]) -> str:
+        self._check(token_ids)
+        self._window_before_feed = list(self._ids)
+        self._prefix_text_before_feed = self._prefix_text
+        self._ids.extend(token_ids)
+        text = self._decode(self._ids)
+        # A trailing U+FFFD is most likely a character whose bytes are still to come
+        # (byte-fallback pieces); hold it rather than emit a replacement char.
+        if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = text[len(self._prefix_text):]
+        # The ids just emitted become the next window's prefix.
+        del self._ids[:self._read_offset]
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        return delta
+
+    def finish(self) -> str:
+        self._window_before_feed = list(self._ids)
+        self._prefix_text_before_feed = self._prefix_text
+        text = self._decode(self._ids)
+        delta = text[len(self._prefix_text):]
+        self._ids = []
+        self._read_offset = 0
+        self._prefix_text = ""
+        return delta
+
+    def tokens_for_chars(self, token_ids: Sequence[int], num_chars: int) -> int:
+        window = list(self._window_before_feed)
+        prefix_len = len(self._prefix_text_before_feed)
+        for count, token_id in enumerate(token_ids, start=1):
+            window.append(token_id)
+            text = self._decode(window)
+            if not text.endswith(REPLACEMENT_CHAR) and len(text) - prefix_len >= num_chars:
+                return count
+        return len(token_ids)
+
+
+def new_detokenizer(decoding: TokenizerDecoding, skip_special_tokens: bool,
+                    prompt_tail_ids: Sequence[int] = ()) -> ByteLevelDetokenizer | WindowDetokenizer:
+    if decoding.token_bytes is not None:
+        return ByteLevelDetokenizer(decoding.token_bytes[skip_special_tokens])
+    return WindowDetokenizer(decoding, skip_special_tokens, prompt_tail_ids)

@@ -1,0 +1,79 @@
+"""One open sequence's detok state: its incremental detokenizer, stop matcher and counts.
+
+stream.py keeps one DetokSequence per sequence_id of a Detokenize stream and turns what
+these methods return into TextDeltas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from detok_worker.incremental import ByteLevelDetokenizer, WindowDetokenizer
+from detok_worker.stop_strings import StopStringMatcher
+from detok_worker.token_bytes import TokenBytes
+from tokenwire.packing import unpack_int32_list
+
+
+class DetokSequence:
+    __slots__ = ("sequence_id", "detokenizer", "token_bytes", "stop_matcher", "num_tokens",
+                 "finished", "stop_index", "num_tokens_to_stop")
+
+    def __init__(self, sequence_id: str, detokenizer: ByteLevelDetokenizer | WindowDetokenizer,
+                 stop_matcher: StopStringMatcher | None = None) -> None:
+        self.sequence_id = sequence_id
+        self.detokenizer = detokenizer
+        # Set for byte-level sequences: the frame loop decodes their bytes a frame at a time.
+        self.token_bytes: TokenBytes | None = (
+            detokenizer.token_bytes if isinstance(detokenizer, ByteLevelDetokenizer) else None
+        )
+        self.stop_matcher = stop_matcher
+        self.num_tokens = 0  # generated token ids consumed so far
+        self.finished = False
+        self.stop_index = -1
+        self.num_tokens_to_stop = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_index >= 0
+
+    def feed(self, token_ids: Sequence[int]) -> str:
+        """Text to emit for these ids (ValueError on an id not in the vocabulary)."""
+        text = self.detokenizer.feed(token_ids)
+        self.num_tokens += len(token_ids)
+        if self.stop_matcher is None:
+            return text
+        return self._match_stops(text, token_ids, len(token_ids))
+
+    def feed_bytes(self, chunk: bytes, token_ids_buf: bytes) -> str:
+        """Byte-level only: chunk is the bytes of the (checked) int32 LE ids in token_ids_buf.
+        The frame loop's per-sequence step, so it stays flat."""
+        text = self.detokenizer.feed_bytes(chunk)  # type: ignore[union-attr]
+        num_new_tokens = len(token_ids_buf) >> 2
+        self.num_tokens += num_new_tokens
+        if self.stop_matcher is None:
+            return text
+        return self._match_stops(text, token_ids_buf, num_new_tokens)
+
+    def finish(self) -> str:
+        """Flushes held text; the sequence is finished afterwards."""
+        if self.finished:
+            return ""
+        text = self.detokenizer.finish()
+        if self.stop_matcher is not None:
+            text = self._match_stops(text, (), 0)
+            if not self.finished:
+                text += self.stop_matcher.finish()
+        self.finished = True
+        return text
+
+    def _match_stops(self, text: str, token_ids: Sequence[int] | bytes, num_new_tokens: int) -> str:
+        assert self.stop_matcher is not None
+        emit, stop_index, chars_to_stop = self.stop_matcher.push(text)
+        if stop_index >= 0:
+            # Only now map characters back to tokens: a replay of this step's few ids.
+            ids = unpack_int32_list(token_ids) if isinstance(token_ids, bytes) else token_ids
+            tokens_before = self.num_tokens - num_new_tokens
+            self.num_tokens_to_stop = tokens_before + self.detokenizer.tokens_for_chars(ids, chars_to_stop)
+            self.stop_index = stop_index
+            self.finished = True
+        return emit

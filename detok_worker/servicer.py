@@ -1,0 +1,44 @@
+"""The Detokenizer gRPC servicer: a thin asyncio shell around one DetokenizeStream per call.
+
+__main__.py registers it on the server; every frame the gateway sends is answered by
+exactly one TextDeltaFrame, in order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from detok_worker.stream import BadFrameError, DetokenizeStream, OpenDecoding
+from detok_worker.token_bytes import decoding_for_identity
+from tokenwire.v1 import detok_worker_pb2, detok_worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_FULL_NAME = detok_worker_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name
+
+
+class DetokenizerServicer(detok_worker_pb2_grpc.DetokenizerServicer):
+    def __init__(self, open_decoding: OpenDecoding = decoding_for_identity) -> None:
+        self._open_decoding = open_decoding
+
+    async def Detokenize(
+        self,
+        request_iterator: AsyncIterator[detok_worker_pb2.DetokenizeFrame],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[detok_worker_pb2.TextDeltaFrame]:
+        stream = DetokenizeStream(self._open_decoding)
+        num_frames = 0
+        async for frame in request_iterator:
+            try:
+                reply = stream.apply(frame)
+            except BadFrameError as exc:
+                logger.warning("aborting Detokenize stream after %d frames: %s", num_frames, exc)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                return  # abort raises; this only makes the end of the stream explicit
+            num_frames += 1
+            yield reply
+        logger.debug("Detokenize stream ended after %d frames, %d sequences still open",
+                     num_frames, len(stream.live_sequence_ids))

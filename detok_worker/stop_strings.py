@@ -1,0 +1,98 @@
+"""Stop-string matching over a stream of text deltas, across any delta boundaries.
+
+Third step of the detok flow: sequence.py passes each delta from the incremental
+detokenizer through a StopStringMatcher before it goes out in a TextDelta.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+# (text safe to emit, index of the stop string hit or -1, characters of the pushed text up
+# to and including the stop's last one, 0 when no hit). A plain tuple: it is built once per
+# sequence per frame.
+StopCheck = tuple[str, int, int]
+
+
+class StopStringMatcher:
+    """Finds the first stop string to complete in the text pushed so far.
+
+    "First" means the match that ends earliest in the stream: the model worker is aborted as
+    soon as any stop string has appeared, so we can never wait for later tokens to see
+    whether a stop that started earlier will complete too. Ties (two matches ending at the
+    same character, i.e. one is a suffix of the other) go to the longer stop string, which
+    cuts the text earlier; then to the lower index in the list (equal strings).
+    """
+
+    __slots__ = ("stops", "include_stop_str_in_output", "_held", "_max_hold", "_prefixes",
+                 "_first_chars", "_done")
+
+    def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+        if not stops:
+            raise ValueError("StopStringMatcher needs at least one stop string")
+        for index, stop in enumerate(stops):
+            if not stop:
+                raise ValueError(f"stop string {index} is empty; an empty stop would end every text at once")
+        self.stops = list(stops)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        # Text that could be the start of a stop string: held until the next push shows
+        # whether the stop completes (then it must not be emitted) or not (then it is).
+        self._held = ""
+        self._max_hold = max(map(len, self.stops)) - 1
+        self._prefixes = {stop[:end] for stop in self.stops for end in range(1, len(stop))}
+        self._first_chars = re.compile("[" + "".join(sorted({re.escape(s[0]) for s in self.stops})) + "]")
+        self._done = False
+
+    @property
+    def held_text(self) -> str:
+        return self._held
+
+    def push(self, text: str) -> StopCheck:
+        if self._done:
+            return "", -1, 0
+        held = self._held
+        buf = held + text if held else text
+        # Most deltas hold no char that starts a stop string: then nothing can match or be
+        # held, and one regex scan decides it.
+        first = self._first_chars.search(buf)
+        if first is None:
+            self._held = ""
+            return buf, -1, 0
+        best_end = -1
+        best_index = -1
+        best_len = 0
+        for index, stop in enumerate(self.stops):
+            # held holds no whole stop (the last push would have found it), so this stop's
+            # first occurrence is also where it ends earliest.
+            start = buf.find(stop, first.start())
+            if start < 0:
+                continue
+            end = start + len(stop)
+            if best_index < 0 or end < best_end or (end == best_end and len(stop) > best_len):
+                best_end, best_index, best_len = end, index, len(stop)
+        if best_index >= 0:
+            self._done = True
+            self._held = ""
+            cut = best_end if self.include_stop_str_in_output else best_end - best_len
+            return buf[:cut], best_index, best_end - len(held)
+        self._held = buf[self._hold_from(buf):]
+        return buf[:len(buf) - len(self._held)], -1, 0
+
+    def _hold_from(self, buf: str) -> int:
+        """Start of the longest suffix of buf that is a proper prefix of some stop string."""
+        if self._max_hold == 0:
+            return len(buf)
+        match = self._first_chars.search(buf, max(0, len(buf) - self._max_hold))
+        while match is not None:
+            start = match.start()
+            if buf[start:] in self._prefixes:
+                return start
+            match = self._first_chars.search(buf, start + 1)
+        return len(buf)
+
+    def finish(self) -> str:
+        """The held text: no more text is coming, so it cannot become a stop."""
+        held, self._held = self._held, ""
+        self._done = True
+        return held

@@ -1,0 +1,26 @@
+"""Entry point: `python -m gateway --port 8000 --model-worker HOST:PORT --detok-workers HOST:PORT,...`.
+
+Builds the one Config from flags and TOKENWIRE_GATEWAY_* env, then serves create_app(config)
+with uvicorn; the app's lifespan waits for the workers before accepting requests.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.config import Config
+from tokenwire.config_cli import parse_config
+
+
+def main() -> None:
+    config = parse_config(Config, env_prefix="TOKENWIRE_GATEWAY_")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""OpenAI-shaped errors: the exception every gateway part raises and the handlers that render it.
+
+Validation, routing and the pipeline raise APIError; app.py installs the handlers below so
+every failure reaches the client as {"error": {message, type, param, code}}.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# grpc.StatusCode values carried in RequestError.code, mapped to the HTTP status an OpenAI
+# client expects for the same condition.
+_GRPC_CODE_TO_HTTP = {
+    3: 400,   # INVALID_ARGUMENT
+    5: 404,   # NOT_FOUND
+    8: 429,   # RESOURCE_EXHAUSTED
+    11: 400,  # OUT_OF_RANGE
+    14: 503,  # UNAVAILABLE
+}
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """A failure with the HTTP status and OpenAI error fields the client should see."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 error_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _TYPE_BY_STATUS.get(status, "internal_server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param,
+                          "code": self.code}}
+
+    def __repr__(self) -> str:
+        return f"APIError({self.status}, {self.message!r})"
+
+
+def invalid_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def from_grpc_code(code: int, message: str) -> APIError:
+    """The APIError for a request the model worker refused with RequestError{code, message}."""
+    return APIError(_GRPC_CODE_TO_HTTP.get(code, 500), message or f"model worker error (gRPC code {code})")
+
+
+def workers_unavailable(message: str) -> APIError:
+    return APIError(503, message, code="workers_unavailable")
+
+
+def context_length_exceeded(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> APIError:
+    if max_tokens is None:
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, your "
+                   f"messages resulted in {num_prompt_tokens} tokens. Please reduce the length of the messages.")
+    else:
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                   f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
+                   f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")
+    return APIError(400, message, param="messages", code="context_length_exceeded")
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable line and the offending top-level field for pydantic's error list."""
+    parts = []
+    param = None
+    for error in exc.errors():
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if param is None and loc:
+            param = loc[0]
+        where = ".".join(loc)
+        msg = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "invalid request", param
+
+
+def error_sse_event(error: APIError) -> str:
+    """The last event of a stream that failed after its headers were sent (followed by [DONE])."""
+    return f"data: {json.dumps(error.body())}\n\n"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+        # OpenAI answers bad parameters with 400, never FastAPI's 422.
+        assert isinstance(exc, RequestValidationError)
+        message, param = validation_message(exc)
+        return JSONResponse(invalid_request(message, param).body(), status_code=400)
+
+    async def on_http_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,122 @@
+"""A long-lived bidirectional gRPC stream with a batching sender and a dispatching reader.
+
+ModelWorkerClient and DetokClient each own one: callers queue items without awaiting, the
+sender writes everything queued since its previous write as ONE frame, the reader hands each
+reply frame to a callback; when the stream breaks it reports the loss and reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+OutFrame = TypeVar("OutFrame")
+InFrame = TypeVar("InFrame")
+
+
+class FrameStream(Generic[OutFrame, InFrame]):
+    """One bidi call at a time on `channel`, reopened after a failure until close()."""
+
+    def __init__(self, name: str, channel: grpc.aio.Channel, open_call: Callable[[], Any],
+                 take_frame: Callable[[], OutFrame | None], on_frame: Callable[[InFrame], None],
+                 on_lost: Callable[[Exception], None], reconnect_delay_s: float = 0.5) -> None:
+        self.name = name
+        self._channel = channel
+        self._open_call = open_call
+        self._take_frame = take_frame
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self._reconnect_delay_s = reconnect_delay_s
+        self._wake = asyncio.Event()
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.num_frames_sent = 0
+        self.num_frames_received = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def wake(self) -> None:
+        """Something was queued: the sender takes it (and whatever else is queued by then)."""
+        self._wake.set()
+
+    async def start(self, timeout_s: float) -> None:
+        """Starts the stream and waits until its first call is open."""
+        self._task = asyncio.create_task(self._run(), name=f"{self.name} stream")
+        connected = asyncio.create_task(self._connected.wait())
+        done, _ = await asyncio.wait({connected, self._task}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        connected.cancel()
+        if self._task in done:
+            self._task.result()
+        if not self.connected:
+            raise TimeoutError(f"{self.name}: no stream within {timeout_s:.0f}s")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await self._channel.channel_ready()
+            call = self._open_call()
+            self._connected.set()
+            logger.info("%s: stream open", self.name)
+            try:
+                await self._pump(call)
+                error: Exception = ConnectionError(f"{self.name} ended the stream")
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except Exception as exc:  # grpc.aio.AioRpcError, or a write on a dead call
+                error = exc
+            self._connected.clear()
+            call.cancel()
+            logger.warning("%s: stream lost (%s); reconnecting", self.name, error)
+            self._on_lost(error)
+            await asyncio.sleep(self._reconnect_delay_s)
+
+    async def _pump(self, call: Any) -> None:
+        """Runs sender and reader until either ends; returns when the server ended the stream."""
+        sender = asyncio.create_task(self._send_loop(call), name=f"{self.name} sender")
+        reader = asyncio.create_task(self._read_loop(call), name=f"{self.name} reader")
+        try:
+            done, _ = await asyncio.wait({sender, reader}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sender, reader):
+                task.cancel()
+            await asyncio.gather(sender, reader, return_exceptions=True)
+        for task in done:
+            task.result()
+
+    async def _send_loop(self, call: Any) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            # Everything queued while the previous write was in flight goes out as one frame.
+            frame = self._take_frame()
+            if frame is None:
+                continue
+            await call.write(frame)
+            self.num_frames_sent += 1
+
+    async def _read_loop(self, call: Any) -> None:
+        while True:
+            frame = await call.read()
+            if frame is grpc.aio.EOF:
+                return
+            self.num_frames_received += 1
+            try:
+                self._on_frame(frame)
+            except Exception:
+                # A bug in one frame's dispatch must not end every other request of the stream.
+                logger.exception("%s: dispatching a frame failed", self.name)

@@ -1,0 +1,96 @@
+"""One request's bookkeeping between the two workers: tokens in from the model, text in from detok.
+
+The pipeline records each SequenceTokens here as the model worker's reader sees it, and turns
+each TextDelta of the detok worker into the GenerationEvent the HTTP handler receives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenwire.packing import unpack_float32, unpack_int32
+from tokenwire.v1 import detok_worker_pb2, model_worker_pb2
+
+FinishReason = model_worker_pb2.FinishReason
+_OPENAI_FINISH_REASON = {
+    model_worker_pb2.FINISH_REASON_STOP: "stop",
+    model_worker_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+@dataclass
+class GenerationEvent:
+    """New output of one choice. finish_reason is set on its last event only."""
+
+    text: str
+    token_ids: list[int]
+    # One per token in token_ids when the request asked for logprobs, else empty.
+    logprobs: list[float] = field(default_factory=list)
+    # Per token: (token id, logprob) of the most likely alternatives, most likely first.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    # Output tokens that count for usage so far: after a stop string, those up to it.
+    num_output_tokens: int = 0
+
+
+class RequestState:
+    """Tokens the model worker produced for one request and how many the client has seen."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.num_emitted = 0
+        self.model_finish_reason: int = model_worker_pb2.FINISH_REASON_UNSPECIFIED
+        self.detok_opened = False
+        self.finished = False
+
+    @property
+    def model_finished(self) -> bool:
+        return self.model_finish_reason != model_worker_pb2.FINISH_REASON_UNSPECIFIED
+
+    def record_tokens(self, seq: model_worker_pb2.SequenceTokens) -> None:
+        new_ids = unpack_int32(seq.token_ids)
+        self.token_ids.extend(new_ids.tolist())
+        if seq.logprobs:
+            self.logprobs.extend(unpack_float32(seq.logprobs).tolist())
+        k = seq.num_top_logprobs
+        if k > 0 and seq.top_token_ids:
+            top_ids = unpack_int32(seq.top_token_ids).reshape(-1, k).tolist()  # [num_new_tokens, k]
+            top_lps = unpack_float32(seq.top_logprobs).reshape(-1, k).tolist()
+            self.top_logprobs.extend(list(zip(ids, lps, strict=True)) for ids, lps in zip(top_ids, top_lps, strict=True))
+        if seq.num_prompt_tokens:
+            self.num_prompt_tokens = seq.num_prompt_tokens
+        self.model_finish_reason = seq.finish_reason
+
+    def take_event(self, delta: detok_worker_pb2.TextDelta) -> GenerationEvent:
+        """The event for a text delta: its text plus the tokens received since the last event.
+
+        Tokens ride with the next text rather than with their own text because the detok worker
+        may hold text back (a possible stop string, half a character); after a stop string,
+        tokens past it are dropped, as the text past it is.
+        """
+        end = num_output_tokens = len(self.token_ids)
+        finish_reason = None
+        if delta.finished:
+            self.finished = True
+            if delta.stop_index >= 0:
+                num_output_tokens = min(num_output_tokens, delta.num_tokens_to_stop)
+                end = max(num_output_tokens, self.num_emitted)
+                finish_reason = "stop"
+            else:
+                finish_reason = _OPENAI_FINISH_REASON.get(self.model_finish_reason, "stop")
+        start = self.num_emitted
+        self.num_emitted = max(end, start)
+        return GenerationEvent(
+            text=delta.text,
+            token_ids=self.token_ids[start:end],
+            logprobs=self.logprobs[start:end],
+            top_logprobs=self.top_logprobs[start:end],
+            finish_reason=finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=num_output_tokens,
+        )

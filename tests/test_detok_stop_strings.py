@@ -1,0 +1,214 @@
+"""Stop strings: StopStringMatcher on its own, and DetokSequence's token accounting.
+
+Pure tests of stop_strings.py and sequence.py against simple one-shot references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from detok_worker.incremental import new_detokenizer
+from detok_worker.sequence import DetokSequence
+from detok_worker.stop_strings import StopStringMatcher
+from detok_worker.token_bytes import TokenizerDecoding
+
+
+def reference_stop(text: str, stops: Sequence[str]) -> tuple[int, int, int]:
+    """(stop index, start, end) of the match that ends first (ties: longer, then lower
+    index), or (-1, len, len): the full text cut at the earliest stop, spelled out."""
+    order = sorted(range(len(stops)), key=lambda i: (-len(stops[i]), i))
+    for end in range(1, len(text) + 1):
+        for index in order:
+            if text.endswith(stops[index], 0, end):
+                return index, end - len(stops[index]), end
+    return -1, len(text), len(text)
+
+
+def run_matcher(matcher: StopStringMatcher, pieces: Sequence[str]) -> tuple[str, int, int]:
+    """(all emitted text, stop index, characters pushed up to the stop's end)."""
+    emitted = []
+    pushed = 0
+    for piece in pieces:
+        text, stop_index, chars_to_stop = matcher.push(piece)
+        emitted.append(text)
+        if stop_index >= 0:
+            return "".join(emitted), stop_index, pushed + chars_to_stop
+        pushed += len(piece)
+    emitted.append(matcher.finish())
+    return "".join(emitted), -1, pushed
+
+
+def test_stop_split_across_many_deltas() -> None:
+    matcher = StopStringMatcher(["<|STOP|>"])
+    outputs = [matcher.push(c) for c in "Hello <|STOP|> never"]
+    assert "".join(text for text, _, _ in outputs) == "Hello "
+    assert [i for i, (_, stop, _) in enumerate(outputs) if stop >= 0] == [13]
+    assert outputs[13] == ("", 0, 1)
+    assert matcher.push("more") == ("", -1, 0)
+    assert matcher.finish() == ""
+
+
+def test_earliest_completed_stop_wins() -> None:
+    assert run_matcher(StopStringMatcher(["world", "lo"]), ["Hello world"]) == ("Hel", 1, 5)
+    # "b" completes before "abc" could: the stream cannot wait for a later "c".
+    assert run_matcher(StopStringMatcher(["abc", "b"]), ["xa", "bc"]) == ("xa", 1, 3)
+    # Same end: the longer stop (it starts earlier) wins, whatever the list order.
+    assert run_matcher(StopStringMatcher(["bc", "abc"]), ["xab", "cz"]) == ("x", 1, 4)
+    assert run_matcher(StopStringMatcher(["abc", "bc"]), ["xabcz"]) == ("x", 0, 4)
+    # Equal strings: the lower index.
+    assert run_matcher(StopStringMatcher(["q", "q"]), ["aqa"]) == ("a", 0, 2)
+
+
+def test_text_after_the_stop_is_never_emitted() -> None:
+    matcher = StopStringMatcher(["END"])
+    assert matcher.push("abENDcd") == ("ab", 0, 5)
+    assert matcher.push("ef") == ("", -1, 0)
+    assert matcher.finish() == ""
+
+
+def test_hold_back_released_when_not_a_stop() -> None:
+    matcher = StopStringMatcher(["STOP", "\n\n"])
+    assert matcher.push("a ST") == ("a ", -1, 0)
+    assert matcher.held_text == "ST"
+    assert matcher.push("A") == ("STA", -1, 0)
+    assert matcher.push("RT\n") == ("RT", -1, 0)
+    assert matcher.held_text == "\n"
+    assert matcher.push("x") == ("\nx", -1, 0)
+    assert matcher.push("STO") == ("", -1, 0)
+    assert matcher.finish() == "STO"
+
+
+def test_holds_only_the_longest_possible_stop_start() -> None:
+    matcher = StopStringMatcher(["abab", "zz"])
+    assert matcher.push("xxabab"[:5]) == ("xx", -1, 0)  # "aba" could still be "abab"
+    assert matcher.held_text == "aba"
+    assert matcher.push("a") == ("aba", -1, 0)  # "abaa": only the last "a" can still start one
+    assert matcher.held_text == "a"
+
+
+def test_include_stop_str_in_output() -> None:
+    matcher = StopStringMatcher(["STOP"], include_stop_str_in_output=True)
+    assert matcher.push("Hello ST") == ("Hello ", -1, 0)
+    assert matcher.push("OP and more") == ("STOP", 0, 2)
+
+
+def test_empty_stop_string_is_refused() -> None:
+    with pytest.raises(ValueError, match="stop string 1 is empty"):
+        StopStringMatcher(["ok", ""])
+    with pytest.raises(ValueError):
+        StopStringMatcher([])
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet="abc\n", max_size=40),
+    stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 40), max_size=12),
+    include=st.booleans(),
+)
+def test_matches_one_shot_reference(text: str, stops: list[str], cuts: list[int], include: bool) -> None:
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    matcher = StopStringMatcher(stops, include)
+    emitted = ""
+    pushed = ""
+    for piece in pieces:
+        out, stop_index, chars_to_stop = matcher.push(piece)
+        emitted += out
+        if stop_index >= 0:
+            break
+        pushed += piece
+        # Held back: exactly the longest suffix that is a proper prefix of some stop.
+        expected_hold = next((pushed[i:] for i in range(len(pushed))
+                              if any(s.startswith(pushed[i:]) and s != pushed[i:] for s in stops)), "")
+        assert matcher.held_text == expected_hold
+        assert emitted + matcher.held_text == pushed
+    else:
+        emitted += matcher.finish()
+        stop_index = -1
+    ref_index, ref_start, ref_end = reference_stop(text, stops)
+    assert stop_index == ref_index
+    assert emitted == text[:ref_end if include else ref_start]
+    if stop_index >= 0:
+        assert len(pushed) + chars_to_stop == ref_end
+
+
+# --- DetokSequence: which token completed the stop ---
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_decoding(smollm2: Tokenizer) -> TokenizerDecoding:
+    return TokenizerDecoding(smollm2)
+
+
+def first_tokens_reaching_stop(tokenizer: Tokenizer, ids: list[int], stops: list[str]) -> int:
+    for count in range(1, len(ids) + 1):
+        if reference_stop(tokenizer.decode(ids[:count]), stops)[0] >= 0:
+            return count
+    return 0
+
+
+TEXT = "The café serves crème brûlée 🍮. Observation: tasty!\n\nUser: more please"
+
+
+@pytest.mark.parametrize("stops", [["Observation:"], ["\n\n", "brûlée 🍮"], ["🍮"], ["serves", "ser"], ["é"]])
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_sequence_counts_tokens_to_stop(smollm2: Tokenizer, smollm2_decoding: TokenizerDecoding,
+                                        stops: list[str], chunk: int) -> None:
+    ids = smollm2.encode(TEXT).ids
+    sequence = DetokSequence("s", new_detokenizer(smollm2_decoding, True), StopStringMatcher(stops))
+    emitted = ""
+    for start in range(0, len(ids), chunk):
+        emitted += sequence.feed(ids[start:start + chunk])
+        if sequence.finished:
+            break
+    index, start_char, _ = reference_stop(TEXT, stops)
+    assert sequence.stopped and sequence.stop_index == index
+    assert emitted == TEXT[:start_char]
+    assert sequence.num_tokens_to_stop == first_tokens_reaching_stop(smollm2, ids, stops)
+
+
+def test_sequence_finish_flushes_held_text(smollm2: Tokenizer, smollm2_decoding: TokenizerDecoding) -> None:
+    ids = smollm2.encode("It ends with Obs").ids
+    sequence = DetokSequence("s", new_detokenizer(smollm2_decoding, True), StopStringMatcher(["Observation:"]))
+    emitted = "".join(sequence.feed([i]) for i in ids)
+    assert emitted == "It ends with "
+    assert sequence.finish() == "Obs"
+    assert sequence.finished and not sequence.stopped and sequence.num_tokens == len(ids)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_sequence_against_reference(smollm2: Tokenizer, smollm2_decoding: TokenizerDecoding,
+                                    data: st.DataObject) -> None:
+    text = data.draw(st.sampled_from([TEXT, "Grüße 👋🏽 aus München! Ende.", "a\n\nb\n\nc"]))
+    ids = smollm2.encode(text).ids
+    stops = data.draw(st.lists(st.builds(lambda a, n: text[a:a + n], st.integers(0, len(text) - 1),
+                                         st.integers(1, 6)), min_size=1, max_size=3))
+    include = data.draw(st.booleans())
+    chunks = data.draw(st.lists(st.integers(1, 4), max_size=len(ids)))
+    sequence = DetokSequence("s", new_detokenizer(smollm2_decoding, True), StopStringMatcher(stops, include))
+    emitted = ""
+    start = 0
+    for size in [*chunks, len(ids)]:
+        emitted += sequence.feed(ids[start:start + size])
+        start += size
+        if sequence.finished or start >= len(ids):
+            break
+    if not sequence.finished:
+        emitted += sequence.finish()
+    index, start_char, end_char = reference_stop(text, stops)
+    assert sequence.stop_index == index
+    assert emitted == text[:end_char if include else start_char]
+    if index >= 0:
+        assert sequence.num_tokens_to_stop == first_tokens_reaching_stop(smollm2, ids, stops)

@@ -1,0 +1,49 @@
+"""Unit tests of PromptTokenizer with the real SmolLM2 tokenizer: prompt ids and token spellings.
+
+The ids must be what transformers itself produces (greedy parity depends on it), and the
+token bytes what the byte-level vocabulary really stands for.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gateway.prompt_tokenizer import PromptTokenizer
+from tokenwire.tokenizer_files import TokenizerMismatchError, tokenizer_identity
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> PromptTokenizer:
+    chat_template = (tiny_model_dir / "chat_template.jinja").read_text()
+    return PromptTokenizer.load(tokenizer_identity(tiny_model_dir), chat_template)
+
+
+def test_text_prompt_has_no_bos(tokenizer: PromptTokenizer) -> None:
+    assert tokenizer.encode_text("hello world") == [28120, 905]
+
+
+def test_chat_prompt_ends_with_the_assistant_turn(tokenizer: PromptTokenizer) -> None:
+    ids = tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    assert all(isinstance(i, int) for i in ids)
+    # <|im_start|>assistant\n closes the prompt (add_generation_prompt)
+    assert ids[-3:] == tokenizer.encode_text("<|im_start|>assistant\n")[-3:]
+    assert ids[0] == 1  # <|im_start|> of the default system turn
+
+
+def test_token_bytes_are_exact(tokenizer: PromptTokenizer) -> None:
+    assert tokenizer.token_bytes(905) == b" world" and tokenizer.token_text(905) == " world"
+    ids = tokenizer.encode_text("naïve 日本")
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == "naïve 日本".encode()
+    assert tokenizer.token_bytes(2) == b"<|im_end|>"
+
+
+def test_tokenizer_with_another_hash_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    identity = tokenizer_identity(tmp_path)
+    (tmp_path / "tokenizer.json").write_text((tmp_path / "tokenizer.json").read_text() + "\n")
+    with pytest.raises(TokenizerMismatchError):
+        PromptTokenizer.load(identity)

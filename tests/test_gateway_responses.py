@@ -1,0 +1,149 @@
+"""Unit tests of the response side: chunk and completion shapes, logprob rendering, SSE framing.
+
+Shapes are checked by parsing them with the official openai SDK's own response types.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import openai.types as oai
+import openai.types.chat as oai_chat
+
+from gateway.errors import APIError
+from gateway.request_state import GenerationEvent
+from gateway.responses import (
+    SSE_DONE,
+    ChatResponder,
+    ChoiceEvents,
+    ChoiceOutput,
+    CompletionResponder,
+    sse_event,
+    sse_stream,
+    usage,
+)
+
+
+class ByteSpeller:
+    """Token id i spells the single byte i, the way a byte-level vocabulary's first entries do."""
+
+    def token_text(self, token_id: int) -> str:
+        return chr(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])
+
+
+def event(text: str, ids: list[int], finish: str | None = None, logprobs: bool = False,
+          total: int | None = None) -> GenerationEvent:
+    return GenerationEvent(text=text, token_ids=ids, logprobs=[-0.5] * len(ids) if logprobs else [],
+                           top_logprobs=[[(i, -0.5), (65, -1.0)] for i in ids] if logprobs else [],
+                           finish_reason=finish, num_prompt_tokens=3,
+                           num_output_tokens=len(ids) if total is None else total)
+
+
+def as_json(model: object) -> dict:
+    return json.loads(sse_event(model).removeprefix("data: "))  # type: ignore[arg-type]
+
+
+def test_sse_framing() -> None:
+    assert sse_event({"a": 1}) == 'data: {"a": 1}\n\n'
+    assert SSE_DONE == "data: [DONE]\n\n"
+
+
+def test_chat_stream_chunks() -> None:
+    responder = ChatResponder("m", ByteSpeller(), logprobs=False)
+    (first,) = responder.first_chunks(1)
+    body = as_json(first)
+    assert body["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert body["object"] == "chat.completion.chunk" and body["id"].startswith("chatcmpl-")
+    middle = as_json(responder.chunk(0, event("hi", [104, 105])))
+    assert middle["choices"][0]["delta"] == {"content": "hi"} and middle["choices"][0]["finish_reason"] is None
+    last = as_json(responder.chunk(0, event("", [], finish="length")))
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
+    tail = as_json(responder.usage_chunk(usage(3, 2)))
+    assert tail["choices"] == [] and tail["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    for chunk in (body, middle, last, tail):
+        oai_chat.ChatCompletionChunk.model_validate(chunk)
+    assert len({c["id"] for c in (body, middle, last, tail)}) == 1
+
+
+def test_chat_response_with_logprobs_parses_as_openai() -> None:
+    responder = ChatResponder("m", ByteSpeller(), logprobs=True)
+    out = ChoiceOutput()
+    out.add(event("AB", [65, 66], logprobs=True))
+    out.add(event("", [], finish="stop", total=2))
+    body = responder.response([out], num_prompt_tokens=3).model_dump()
+    parsed = oai_chat.ChatCompletion.model_validate(body)
+    assert parsed.object == "chat.completion" and parsed.choices[0].message.content == "AB"
+    assert parsed.choices[0].finish_reason == "stop"
+    assert parsed.usage is not None and parsed.usage.total_tokens == 5
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["A", "B"] and content[0]["bytes"] == [65]
+    assert content[1]["top_logprobs"][0] == {"token": "B", "logprob": -0.5, "bytes": [66]}
+
+
+def test_chat_response_without_logprobs_has_null_logprobs() -> None:
+    out = ChoiceOutput()
+    out.add(event("x", [120], finish="stop"))
+    body = ChatResponder("m", ByteSpeller(), logprobs=False).response([out], 3).model_dump()
+    assert body["choices"][0]["logprobs"] is None and body["system_fingerprint"]
+
+
+def test_completion_response_and_stream_logprobs() -> None:
+    responder = CompletionResponder("m", ByteSpeller(), logprobs=True, n=2)
+    outputs = [ChoiceOutput(), ChoiceOutput()]
+    outputs[0].add(event("AB", [65, 66], finish="length", logprobs=True))
+    outputs[1].add(event("C", [67], finish="stop", logprobs=True))
+    body = responder.response(outputs, num_prompt_tokens=3).model_dump()
+    parsed = oai.Completion.model_validate(body)
+    assert parsed.object == "text_completion" and parsed.id.startswith("cmpl-")
+    assert [c.index for c in parsed.choices] == [0, 1]
+    assert parsed.usage is not None and parsed.usage.completion_tokens == 3 and parsed.usage.prompt_tokens == 3
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["A", "B"] and logprobs["text_offset"] == [0, 1]
+    # the chosen token is listed among the alternatives, as OpenAI's legacy shape does
+    assert logprobs["top_logprobs"][1] == {"B": -0.5, "A": -1.0}
+
+    streaming = CompletionResponder("m", ByteSpeller(), logprobs=True, n=1)
+    first = as_json(streaming.chunk(0, event("AB", [65, 66], logprobs=True)))
+    second = as_json(streaming.chunk(0, event("C", [67], finish="stop", logprobs=True)))
+    assert second["choices"][0]["logprobs"]["text_offset"] == [2]  # offsets continue across chunks
+    assert first["choices"][0]["finish_reason"] is None  # the SDK reads stream chunks without validating
+    oai.Completion.model_validate(second)
+
+
+async def events_then(items: list[tuple[int, GenerationEvent] | APIError]) -> ChoiceEvents:
+    for item in items:
+        if isinstance(item, APIError):
+            raise item
+        yield item
+
+
+async def collect(stream: AsyncIterator[str]) -> list[str]:
+    return [part async for part in stream]
+
+
+async def test_sse_stream_chat_with_usage() -> None:
+    responder = ChatResponder("m", ByteSpeller(), logprobs=False)
+    first = (0, event("a", [97]))
+    rest = events_then([(0, event("b", [98], finish="stop", total=2))])
+    parts = await collect(sse_stream(first, rest, responder, 1, include_usage=True, num_prompt_tokens=3))
+    assert parts[-1] == SSE_DONE and all(p.startswith("data: ") and p.endswith("\n\n") for p in parts)
+    bodies = [json.loads(p.removeprefix("data: ")) for p in parts[:-1]]
+    assert [b["choices"][0]["delta"] for b in bodies[:3]] == [{"role": "assistant", "content": ""},
+                                                               {"content": "a"}, {"content": "b"}]
+    assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] == 2
+
+
+async def test_sse_stream_failure_after_start_is_an_error_event_then_done() -> None:
+    responder = CompletionResponder("m", ByteSpeller(), logprobs=False)
+    rest = events_then([APIError(503, "lost the detok worker stream")])
+    parts = await collect(sse_stream((0, event("a", [97])), rest, responder, 1, include_usage=True,
+                                     num_prompt_tokens=3))
+    assert parts[-1] == SSE_DONE
+    error = json.loads(parts[-2].removeprefix("data: "))
+    assert error == {"error": {"message": "lost the detok worker stream", "type": "service_unavailable_error",
+                               "param": None, "code": None}}
+    assert json.loads(parts[0].removeprefix("data: "))["choices"][0]["text"] == "a"

@@ -1,0 +1,266 @@
+"""End-to-end tests of the gateway as users run it: model worker, detok worker and gateway as
+real processes on loopback ports (tokenwire.stack), driven by the official openai client and raw httpx.
+
+The model is the tiny random Llama with SmolLM2's tokenizer, so texts are nonsense but
+deterministic at temperature 0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tokenwire.stack import Stack, start_stack
+
+pytestmark = pytest.mark.slow
+
+# Long enough that a 1000-token generation outlasts the abort checks by seconds.
+MAX_MODEL_LEN = 1024
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir: Path) -> Iterator[Stack]:
+    with start_stack(["--model", str(tiny_model_dir), "--load-format", "dummy", "--max-num-seqs", "8",
+                      "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"], timeout_s=180) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    (card,) = client.models.list().data
+    return card.id
+
+
+def live_requests(stack: Stack) -> int:
+    return httpx.get(f"{stack.gateway_url}/health", timeout=10).json()["live_requests"]
+
+
+def wait_until_idle(stack: Stack, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while live_requests(stack) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_requests(stack) == 0
+
+
+def test_chat_stream_matches_non_stream(client: openai.OpenAI, model: str) -> None:
+    full = client.chat.completions.create(model=model, messages=HELLO, max_tokens=12, temperature=0)
+    (choice,) = full.choices
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-") and full.model == model
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert full.usage is not None and full.usage.prompt_tokens > 0
+    assert 0 < full.usage.completion_tokens <= 12
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model=model, messages=HELLO, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [choice.finish_reason]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.model_dump() == full.usage.model_dump()
+
+
+def test_completions_stream_matches_non_stream(client: openai.OpenAI, model: str) -> None:
+    full = client.completions.create(model=model, prompt="The capital of France is", max_tokens=10,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert full.object == "text_completion" and full.id.startswith("cmpl-")
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage is not None and full.usage.completion_tokens == 10
+    chunks = list(client.completions.create(model=model, prompt="The capital of France is", max_tokens=10,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_token_id_prompt_equals_text_prompt(client: openai.OpenAI, model: str) -> None:
+    by_text = client.completions.create(model=model, prompt="hello world", max_tokens=5, temperature=0)
+    assert by_text.usage is not None
+    prompt_ids = [28120, 905]  # "hello world" in SmolLM2's tokenizer, which adds no BOS
+    by_ids = client.completions.create(model=model, prompt=prompt_ids, max_tokens=5, temperature=0)
+    assert by_text.usage.prompt_tokens == len(prompt_ids)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_max_tokens_gives_length(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.create(model=model, messages=HELLO, max_completion_tokens=3, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+
+
+def test_stop_string_ends_the_text(stack: Stack, client: openai.OpenAI, model: str) -> None:
+    free = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    assert stop, f"generated too little text to pick a stop string from: {free!r}"
+    expected = free[:free.index(stop)]
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(model=model, prompt="Once upon a time", max_tokens=16,
+                                                    temperature=0, stop=[stop], stream=True,
+                                                    extra_body={"ignore_eos": True}))
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            reply = client.completions.create(model=model, prompt="Once upon a time", max_tokens=16,
+                                              temperature=0, stop=stop, extra_body={"ignore_eos": True})
+            text, finish = reply.choices[0].text, reply.choices[0].finish_reason
+            assert reply.usage is not None and reply.usage.completion_tokens <= 16
+        assert finish == "stop"
+        assert stop not in text
+        assert text == expected
+    wait_until_idle(stack)  # the stop hit aborted the request on the model worker
+
+
+def test_n_choices_and_logprobs(client: openai.OpenAI, model: str) -> None:
+    reply = client.chat.completions.create(model=model, messages=HELLO, max_tokens=4, n=2, seed=7,
+                                           logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.usage is not None and reply.usage.completion_tokens == 8
+    for choice in reply.choices:
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        content = choice.logprobs.content
+        assert len(content) == 4
+        assert "".join(t.token for t in content) == choice.message.content
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+        assert bytes(content[0].bytes or []).decode(errors="replace") == content[0].token
+
+
+def test_bad_parameters_are_openai_400s(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=HELLO, temperature=7)
+    assert info.value.status_code == 400 and info.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported yet"):
+        client.chat.completions.create(model=model, messages=HELLO, presence_penalty=1.0)
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {MAX_MODEL_LEN} tokens"):
+        client.completions.create(model=model, prompt="hi " * (MAX_MODEL_LEN + 10), max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="in the completion"):
+        client.chat.completions.create(model=model, messages=HELLO, max_tokens=MAX_MODEL_LEN)
+    with pytest.raises(openai.BadRequestError, match="token ids must be in"):
+        client.completions.create(model=model, prompt=[10**8], max_tokens=4)
+
+
+def test_unknown_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-nonexistent", messages=HELLO)
+    assert info.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
+def test_raw_sse_framing_ends_with_done(stack: Stack, model: str) -> None:
+    body = {"model": model, "messages": HELLO, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{stack.gateway_url}/v1/chat/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        raw = reply.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] <= 5
+
+    # Errors before the stream starts keep their HTTP status, in OpenAI's shape.
+    reply = httpx.post(f"{stack.gateway_url}/v1/completions", json={**body, "prompt": "x", "top_p": 0}, timeout=60)
+    assert reply.status_code == 400 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def single_slot_stack(tiny_model_dir: Path) -> Iterator[Stack]:
+    """One KV slot, so a request the gateway failed to abort would visibly hold up the next one;
+    two detok replicas, so sequences are spread across streams."""
+    with start_stack(["--model", str(tiny_model_dir), "--load-format", "dummy", "--max-num-seqs", "1",
+                      "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"], num_detok=2,
+                     timeout_s=180) as running:
+        yield running
+
+
+def assert_slot_free_soon(stack: Stack, model: str) -> None:
+    # The abandoned request asked for 1000 tokens (seconds of work); a 2-token request served
+    # well within that shows the model worker dropped it.
+    started = time.monotonic()
+    reply = httpx.post(f"{stack.gateway_url}/v1/completions",
+                       json={"model": model, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert reply.status_code == 200
+    assert time.monotonic() - started < 1.5
+    wait_until_idle(stack)
+
+
+def test_client_disconnect_aborts_the_request(single_slot_stack: Stack, model: str) -> None:
+    stack = single_slot_stack
+    body = {"model": model, "prompt": "Count forever:", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{stack.gateway_url}/v1/completions", json=body, timeout=60) as reply:
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert live_requests(stack) == 1
+    assert_slot_free_soon(stack, model)
+
+    # A non-stream request whose client gives up is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.gateway_url}/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    assert_slot_free_soon(stack, model)
+
+
+def test_stop_string_aborts_the_rest(single_slot_stack: Stack, model: str) -> None:
+    client = openai.OpenAI(base_url=f"{single_slot_stack.gateway_url}/v1", api_key="unused", max_retries=0)
+    free = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    reply = client.completions.create(model=model, prompt="Once upon a time", max_tokens=1000, temperature=0,
+                                      stop=free[:3], extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].text == ""
+    assert_slot_free_soon(single_slot_stack, model)
+
+
+def test_concurrent_requests_across_detok_replicas(single_slot_stack: Stack, model: str) -> None:
+    import concurrent.futures
+
+    client = openai.OpenAI(base_url=f"{single_slot_stack.gateway_url}/v1", api_key="unused", max_retries=0)
+    expected = client.completions.create(model=model, prompt="Tell me", max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    def one(_: int) -> str:
+        chunks = client.completions.create(model=model, prompt="Tell me", max_tokens=6, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in chunks)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(one, range(6))) == [expected] * 6
+
+
+def test_models_and_health(stack: Stack, client: openai.OpenAI, model: str) -> None:
+    cards = httpx.get(f"{stack.gateway_url}/v1/models", timeout=10).json()
+    assert cards["object"] == "list" and cards["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{stack.gateway_url}/health", timeout=10).status_code == 200
+
+
+def test_lost_detok_worker_ends_streams_with_an_error_event(tiny_model_dir: Path) -> None:
+    with start_stack(["--model", str(tiny_model_dir), "--load-format", "dummy", "--max-num-seqs", "2",
+                      "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"], timeout_s=180) as stack:
+        model = httpx.get(f"{stack.gateway_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        detok = next(s for s in stack.services if s.name == "detok_worker")
+        body = {"model": model, "prompt": "Go:", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{stack.gateway_url}/v1/completions", json=body, timeout=60) as reply:
+            lines = (line for line in reply.iter_lines() if line.startswith("data: "))
+            next(lines)
+            detok.process.kill()
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert error["type"] == "service_unavailable_error" and "detok" in error["message"]
+        assert httpx.get(f"{stack.gateway_url}/health", timeout=10).status_code == 503
+        reply = httpx.post(f"{stack.gateway_url}/v1/completions", json={**body, "stream": False}, timeout=60)
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "workers_unavailable"
