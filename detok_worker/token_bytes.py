@@ -7,49 +7,17 @@ through tiktoken); incremental.py then cuts those bytes into whole UTF-8 charact
 from __future__ import annotations
 
 import functools
-import json
 
 import numpy as np
 import tiktoken
 from tokenizers import Tokenizer
 
+from tokenwire.byte_level import is_byte_level, token_piece_bytes, unicode_to_bytes
 from tokenwire.tokenizer_files import load_tokenizer
 from tokenwire.v1 import common_pb2
 
 # decode_bytes never runs the pattern (we only decode), but tiktoken compiles one.
 _UNUSED_PATTERN = r"\S+|\s+"
-
-
-@functools.cache
-def unicode_to_bytes() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: the char a byte-level BPE vocab uses for each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    byte_values = list(printable)
-    code_points = list(printable)
-    shift = 0
-    for byte in range(256):
-        if byte not in printable:
-            byte_values.append(byte)
-            code_points.append(256 + shift)
-            shift += 1
-    return {chr(cp): b for b, cp in zip(byte_values, code_points, strict=True)}
-
-
-def is_byte_level(tokenizer: Tokenizer) -> bool:
-    """Only a plain ByteLevel decoder maps tokens to bytes context-free; anything else
-    (Metaspace, WordPiece, a Sequence with Strip/Replace...) goes the generic way."""
-    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
-    return decoder.get("type") == "ByteLevel"
-
-
-def token_piece_bytes(token: str, char_to_byte: dict[str, int]) -> bytes:
-    """What tokenizers' Rust ByteLevel decoder yields for one token: the mapped bytes if
-    every char is in the byte alphabet, else the token's own UTF-8 (added tokens like
-    '<|im end|>' with a plain space take that branch)."""
-    try:
-        return bytes([char_to_byte[c] for c in token])
-    except KeyError:
-        return token.encode("utf-8")
 
 
 class TokenBytes:

@@ -6,34 +6,13 @@ encodes each prompt with it before the pipeline sends the ids to the model worke
 
 from __future__ import annotations
 
-import functools
-import json
 from pathlib import Path
 from typing import Any
 
 from gateway.errors import invalid_request
+from tokenwire.byte_level import is_byte_level, token_piece_bytes, unicode_to_bytes
 from tokenwire.tokenizer_files import TOKENIZER_JSON, TokenizerMismatchError, file_sha256
 from tokenwire.v1 import common_pb2
-
-
-@functools.cache
-def _byte_of_char() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE spells every byte as one printable char."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
-def _is_byte_level(backend_json: str) -> bool:
-    decoder = json.loads(backend_json).get("decoder") or {}
-    kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
-    return "ByteLevel" in kinds
 
 
 class PromptTokenizer:
@@ -42,7 +21,7 @@ class PromptTokenizer:
     def __init__(self, hf_tokenizer: Any, chat_template: str | None = None) -> None:
         self._hf = hf_tokenizer
         self._chat_template = chat_template or None
-        self._byte_level = _is_byte_level(hf_tokenizer.backend_tokenizer.to_str())
+        self._byte_level = is_byte_level(hf_tokenizer.backend_tokenizer)
         self._token_bytes_cache: dict[int, bytes] = {}
 
     @classmethod
@@ -77,9 +56,8 @@ class PromptTokenizer:
         if cached is not None:
             return cached
         piece = self._hf.convert_ids_to_tokens(token_id)
-        byte_of_char = _byte_of_char()
-        if self._byte_level and piece is not None and all(ch in byte_of_char for ch in piece):
-            raw = bytes(byte_of_char[ch] for ch in piece)
+        if self._byte_level and piece is not None:
+            raw = token_piece_bytes(piece, unicode_to_bytes())
         else:
             raw = self._hf.decode([token_id]).encode()
         self._token_bytes_cache[token_id] = raw

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from detok_worker.incremental import ByteLevelDetokenizer, WindowDetokenizer, new_detokenizer
-from detok_worker.token_bytes import TokenBytes, TokenizerDecoding, is_byte_level, unicode_to_bytes
+from detok_worker.token_bytes import TokenBytes, TokenizerDecoding
+from tokenwire.byte_level import is_byte_level, unicode_to_bytes
 
 SAMPLE_TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
