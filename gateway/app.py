@@ -42,7 +42,6 @@ from gateway.responses import (
 logger = logging.getLogger(__name__)
 
 
-
 def create_app(config: Config) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

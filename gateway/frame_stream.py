@@ -36,8 +36,6 @@ class FrameStream(Generic[OutFrame, InFrame]):
         self._wake = asyncio.Event()
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.num_frames_sent = 0
-        self.num_frames_received = 0
 
     @property
     def connected(self) -> bool:
@@ -107,14 +105,12 @@ class FrameStream(Generic[OutFrame, InFrame]):
             if frame is None:
                 continue
             await call.write(frame)
-            self.num_frames_sent += 1
 
     async def _read_loop(self, call: Any) -> None:
         while True:
             frame = await call.read()
             if frame is grpc.aio.EOF:
                 return
-            self.num_frames_received += 1
             try:
                 self._on_frame(frame)
             except Exception:

@@ -6,12 +6,11 @@ encodes each prompt with it before the pipeline sends the ids to the model worke
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from gateway.errors import invalid_request
 from tokenwire.byte_level import is_byte_level, token_piece_bytes, unicode_to_bytes
-from tokenwire.tokenizer_files import TOKENIZER_JSON, TokenizerMismatchError, file_sha256
+from tokenwire.tokenizer_files import verified_tokenizer_json
 from tokenwire.v1 import common_pb2
 
 
@@ -29,11 +28,7 @@ class PromptTokenizer:
         """Loads the tokenizer the model worker names, refusing one whose tokenizer.json differs."""
         from transformers import AutoTokenizer  # slow import: only at startup
 
-        tokenizer_json = Path(identity.path) / TOKENIZER_JSON
-        actual = file_sha256(tokenizer_json)
-        if identity.sha256 and actual != identity.sha256:
-            raise TokenizerMismatchError(
-                f"{tokenizer_json} has sha256 {actual[:12]}…, the model worker serves {identity.sha256[:12]}…")
+        verified_tokenizer_json(identity)
         return cls(AutoTokenizer.from_pretrained(identity.path), chat_template)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:

@@ -40,8 +40,8 @@ def chat_template_of(model_dir: Path) -> str:
     return template if isinstance(template, str) else ""
 
 
-def build_model_info(config: Config, model_dir: Path, runner: ModelRunner, eos_ids: list[int]) -> pb.ModelInfo:
-    hf_config = _read_json(model_dir / "config.json")
+def build_model_info(config: Config, model_dir: Path, hf_config: dict, runner: ModelRunner,
+                     eos_ids: list[int]) -> pb.ModelInfo:
     return pb.ModelInfo(
         model_id=config.served_model_name or model_id_for(config.model, model_dir),
         vocab_size=runner.vocab_size,
@@ -70,7 +70,7 @@ async def serve(config: Config) -> None:
     loop.start()
     server = grpc_server.new_server()
     model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(
-        ModelWorkerServicer(loop, build_model_info(config, model_dir, runner, eos_ids)), server)
+        ModelWorkerServicer(loop, build_model_info(config, model_dir, hf_config, runner, eos_ids)), server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
     await grpc_server.mark_serving(health, [SERVICE_NAME])
     try:

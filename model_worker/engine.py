@@ -13,7 +13,7 @@ import grpc
 
 from model_worker.kv_cache import SlotAllocator
 from model_worker.model_runner import ModelRunner
-from model_worker.sampler import SamplingBatch, SeededGenerators, sample
+from model_worker.sampler import SamplerOutput, SamplingBatch, SeededGenerators, sample
 from model_worker.scheduler import Scheduler
 from model_worker.sequence import FinishReason, SamplingParams, Sequence
 
@@ -118,10 +118,6 @@ class LLMEngine:
         self.generators.release(seq_id)
         return True
 
-    @property
-    def num_free_slots(self) -> int:
-        return self.scheduler.slots.num_free
-
     def step(self) -> list[SequenceOutput]:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
@@ -141,7 +137,7 @@ class LLMEngine:
         sampled = sample(step_logits.logits, batch)
         return self._append_tokens(seqs, sampled)
 
-    def _append_tokens(self, seqs: list[Sequence], sampled) -> list[SequenceOutput]:
+    def _append_tokens(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[SequenceOutput]:
         # One device->host copy per tensor for the whole batch, not one per sequence.
         token_ids = sampled.token_ids.tolist()
         logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None

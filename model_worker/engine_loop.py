@@ -59,7 +59,6 @@ class EngineLoop:
         self._pending_aborts: list[int] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.num_steps = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
@@ -135,7 +134,6 @@ class EngineLoop:
                 logger.exception("engine step failed; failing its requests")
                 self._fail_all("engine step failed; see the model worker's log")
                 continue
-            self.num_steps += 1
             self._route(outputs)
 
     def _fail_all(self, message: str) -> None:

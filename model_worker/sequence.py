@@ -60,11 +60,15 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     def token_ids_from(self, start: int, count: int) -> list[int]:
+        # Slices each list directly: a decode asks for one token every step, and joining
+        # prompt + output first would copy the whole sequence each time.
         prompt_len = len(self.prompt_token_ids)
-        if start + count <= prompt_len:
-            return self.prompt_token_ids[start:start + count]
-        tokens = self.prompt_token_ids + self.output_token_ids
-        return tokens[start:start + count]
+        end = start + count
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
 
     @property
     def is_finished(self) -> bool:

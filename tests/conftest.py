@@ -34,6 +34,22 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2(smollm2_dir: Path):
+    """The real SmolLM2 `tokenizers` Tokenizer (byte-level BPE)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_decoding(smollm2):
+    """The detok worker's byte tables for SmolLM2, built once per test session."""
+    from detok_worker.token_bytes import TokenizerDecoding
+
+    return TokenizerDecoding(smollm2)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
     """A 2-layer Llama config with SmolLM2's tokenizer; weights are built at load time
     (--load-format dummy), so nothing big is written."""

@@ -31,16 +31,6 @@ SAMPLE_TEXTS = [
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="module")
-def smollm2(smollm2_dir: Path) -> Tokenizer:
-    return Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def smollm2_decoding(smollm2: Tokenizer) -> TokenizerDecoding:
-    return TokenizerDecoding(smollm2)
-
-
 def feed_in_chunks(detokenizer: ByteLevelDetokenizer | WindowDetokenizer, ids: Sequence[int],
                    chunk_sizes: Sequence[int]) -> list[str]:
     deltas = []

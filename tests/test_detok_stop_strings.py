@@ -6,7 +6,6 @@ Pure tests of stop_strings.py and sequence.py against simple one-shot references
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -140,16 +139,6 @@ def test_matches_one_shot_reference(text: str, stops: list[str], cuts: list[int]
 
 
 # --- DetokSequence: which token completed the stop ---
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_dir: Path) -> Tokenizer:
-    return Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def smollm2_decoding(smollm2: Tokenizer) -> TokenizerDecoding:
-    return TokenizerDecoding(smollm2)
-
 
 def first_tokens_reaching_stop(tokenizer: Tokenizer, ids: list[int], stops: list[str]) -> int:
     for count in range(1, len(ids) + 1):

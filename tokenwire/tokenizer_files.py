@@ -36,15 +36,22 @@ def tokenizer_identity(tokenizer_dir: str | Path) -> common_pb2.TokenizerIdentit
     )
 
 
+def verified_tokenizer_json(identity: common_pb2.TokenizerIdentity) -> Path:
+    """identity's tokenizer.json, after checking it hashes to what the model worker serves."""
+    tokenizer_json = Path(identity.path) / TOKENIZER_JSON
+    if not tokenizer_json.is_file():
+        raise TokenizerMismatchError(f"no {TOKENIZER_JSON} in {identity.path}")
+    actual = file_sha256(tokenizer_json)
+    if identity.sha256 and actual != identity.sha256:
+        raise TokenizerMismatchError(f"{tokenizer_json} has sha256 {actual[:12]}…, "
+                                     f"the model worker serves {identity.sha256[:12]}…")
+    return tokenizer_json
+
+
 @functools.lru_cache(maxsize=8)
 def _load_verified(path: str, sha256: str) -> Tokenizer:
-    tokenizer_json = Path(path) / TOKENIZER_JSON
-    if not tokenizer_json.is_file():
-        raise TokenizerMismatchError(f"no {TOKENIZER_JSON} in {path}")
-    actual = file_sha256(tokenizer_json)
-    if sha256 and actual != sha256:
-        raise TokenizerMismatchError(f"{tokenizer_json} has sha256 {actual[:12]}…, expected {sha256[:12]}…")
-    return Tokenizer.from_file(str(tokenizer_json))
+    identity = common_pb2.TokenizerIdentity(path=path, sha256=sha256)
+    return Tokenizer.from_file(str(verified_tokenizer_json(identity)))
 
 
 def load_tokenizer(identity: common_pb2.TokenizerIdentity) -> Tokenizer:
