@@ -18,6 +18,7 @@ from model_worker.engine_loop import EngineLoop
 from model_worker.model_files import model_id_for, resolve_model_dir
 from model_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from model_worker.servicer import ModelWorkerServicer
+from model_worker.structured_output import GrammarCompiler
 from tokenwire import grpc_server
 from tokenwire.config_cli import parse_config
 from tokenwire.tokenizer_files import tokenizer_identity
@@ -50,10 +51,15 @@ def build_model_info(config: Config, model_dir: Path, hf_config: dict, runner: M
         chat_template=chat_template_of(model_dir),
         tokenizer=tokenizer_identity(model_dir),
         bos_token_id=hf_config.get("bos_token_id") or 0,
+        dtype=str(runner.dtype).removeprefix("torch."),
+        device=str(runner.device),
+        kv_cache_tokens=runner.kv_cache.num_blocks * runner.kv_cache.block_size,
     )
 
 
-async def serve(config: Config) -> None:
+def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
+    """The engine a Config describes, with its model dir, HF config and eos ids; serve() and
+    the engine-alone benchmark both build it here, so they cannot drift apart."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model_dir(config.model, Path(config.cache_dir))
@@ -62,11 +68,23 @@ async def serve(config: Config) -> None:
     dtype = resolve_dtype(config.dtype, device)
     context = hf_config.get("max_position_embeddings", 2048)
     max_model_len = config.max_model_len or min(context, 2048)
-    runner = ModelRunner(model_dir, config.load_format, device, dtype, config.max_num_seqs, max_model_len)
+    runner = ModelRunner(model_dir, config.load_format, device, dtype, config.max_num_seqs, max_model_len,
+                         config.block_size, config.kv_cache_tokens, config.kv_cache_memory_bytes,
+                         config.gpu_memory_utilization, config.int8_small_batch)
     eos_ids = default_eos_ids(_read_json(model_dir / "generation_config.json"), hf_config)
     engine = LLMEngine(runner, eos_ids, config.max_num_seqs, config.max_num_batched_tokens,
-                       config.max_waiting_requests, config.seed)
-    loop = EngineLoop(engine)
+                       config.max_waiting_requests, config.seed, config.enable_prefix_caching, config.max_best_of)
+    return engine, model_dir, hf_config, eos_ids
+
+
+async def serve(config: Config) -> None:
+    engine, model_dir, hf_config, eos_ids = build_engine(config)
+    runner = engine.runner
+    # Structured output: llguidance's token trie from tokenizer.json (~1 s, once).
+    tokenizer_json = model_dir / "tokenizer.json"
+    grammar_compiler = (GrammarCompiler.from_tokenizer_file(tokenizer_json, runner.vocab_size, eos_ids)
+                        if tokenizer_json.is_file() else None)
+    loop = EngineLoop(engine, grammar_compiler)
     loop.start()
     server = grpc_server.new_server()
     model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(
@@ -74,7 +92,9 @@ async def serve(config: Config) -> None:
     health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
     await grpc_server.mark_serving(health, [SERVICE_NAME])
     try:
-        await grpc_server.serve_until_signal(server, config.address)
+        await grpc_server.serve_until_signal(
+            server, config.address, config.drain_grace_s, config.tls, health,
+            drained=lambda: grpc_server.wait_until(lambda: not engine.has_work()))
     finally:
         await loop.stop()
 

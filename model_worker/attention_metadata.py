@@ -1,7 +1,8 @@
-"""How one engine step's flattened tokens split into per-sequence attention segments.
+"""How one engine step's flattened tokens split into per-sequence attention segments, and
+where in the paged KV cache every token's keys and values live.
 
-Built by the model runner from the scheduler's output; read by every attention layer, so it
-is computed once per step, not once per layer.
+Built by the model runner from the scheduler's output and the sequences' block tables; read
+by every attention layer, so it is computed once per step, not once per layer.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import torch
 @dataclass
 class PrefillSegment:
     """n query tokens of one sequence at rows [start, start+n), attending to its first
-    context_len + n cached positions (context_len tokens were cached by earlier steps)."""
+    context_len + n positions (context_len of them cached by earlier steps)."""
 
     start: int
     num_tokens: int
-    slot: int
     context_len: int
+    # [ceil((context_len + n) / block_size)] long: blocks holding those positions; None when
+    # context_len is 0, then attention reads the step's own keys and values, no gather.
+    block_ids: torch.Tensor | None
     # [n, context_len + n] bool, True where attention is allowed; None when context_len is
     # 0, then SDPA's is_causal does the same without building a mask.
     mask: torch.Tensor | None
@@ -31,53 +34,57 @@ class DecodeBatch:
     first seq_lens[b] cached positions (the new token included)."""
 
     start: int
-    slots: torch.Tensor  # [B] long
-    max_len: int
-    mask: torch.Tensor  # [B, 1, 1, max_len] bool, True where position < seq_len
+    block_tables: torch.Tensor  # [B, max_blocks] long, short rows padded with block 0 (masked)
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True where position < seq_len
 
 
 @dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T] long, position of every flattened token
-    slot_of_token: torch.Tensor  # [T] long, KV cache slot every token writes to
+    slot_mapping: torch.Tensor  # [T] long, flat cache slot (block * block_size + offset) of every token
     prefills: list[PrefillSegment]
     decode: DecodeBatch | None
 
     @classmethod
-    def build(cls, prefills: list[tuple[int, int, int]], decodes: list[tuple[int, int]],
-              device: torch.device) -> AttentionMetadata:
-        """prefills: (slot, context_len, num_tokens) per chunk; decodes: (slot, context_len)
-        per one-token sequence. Rows are laid out prefills first, then decodes."""
+    def build(cls, prefills: list[tuple[list[int], int, int]], decodes: list[tuple[list[int], int]],
+              block_size: int, device: torch.device) -> AttentionMetadata:
+        """prefills: (block_table, context_len, num_tokens) per chunk; decodes: (block_table,
+        context_len) per one-token sequence. Rows are laid out prefills first, then decodes."""
         positions: list[int] = []
         slots: list[int] = []
         segments: list[PrefillSegment] = []
         row = 0
-        for slot, context_len, n in prefills:
-            positions.extend(range(context_len, context_len + n))
-            slots.extend([slot] * n)
-            mask = None
+        for table, context_len, n in prefills:
+            end = context_len + n
+            positions.extend(range(context_len, end))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(context_len, end))
+            block_ids = mask = None
             if context_len > 0:
-                key_pos = torch.arange(context_len + n, device=device)
-                query_pos = torch.arange(context_len, context_len + n, device=device)
+                block_ids = torch.tensor(table[:-(-end // block_size)], dtype=torch.long, device=device)
+                key_pos = torch.arange(end, device=device)
+                query_pos = torch.arange(context_len, end, device=device)
                 mask = key_pos[None, :] <= query_pos[:, None]
-            segments.append(PrefillSegment(row, n, slot, context_len, mask))
+            segments.append(PrefillSegment(row, n, context_len, block_ids, mask))
             row += n
         decode = None
         if decodes:
-            positions.extend(context_len for _, context_len in decodes)
-            slots.extend(slot for slot, _ in decodes)
+            max_blocks = max(context_len // block_size + 1 for _, context_len in decodes)
+            rows = []
+            for table, context_len in decodes:
+                positions.append(context_len)
+                slots.append(table[context_len // block_size] * block_size + context_len % block_size)
+                used = table[:context_len // block_size + 1]
+                rows.append(used + [0] * (max_blocks - len(used)))
             seq_lens = torch.tensor([context_len + 1 for _, context_len in decodes], device=device)
-            max_len = int(seq_lens.max())
-            mask = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]
+            mask = torch.arange(max_blocks * block_size, device=device)[None, :] < seq_lens[:, None]
             decode = DecodeBatch(
                 start=row,
-                slots=torch.tensor([slot for slot, _ in decodes], device=device),
-                max_len=max_len,
+                block_tables=torch.tensor(rows, dtype=torch.long, device=device),
                 mask=mask[:, None, None, :],
             )
         return cls(
-            positions=torch.tensor(positions, device=device),
-            slot_of_token=torch.tensor(slots, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             prefills=segments,
             decode=decode,
         )

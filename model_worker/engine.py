@@ -6,16 +6,23 @@ named executor thread and applies adds/aborts only between steps.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
+import random
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
-from model_worker.kv_cache import SlotAllocator
+from model_worker.block_manager import BlockManager
 from model_worker.model_runner import ModelRunner
-from model_worker.sampler import SamplerOutput, SamplingBatch, SeededGenerators, sample
+from model_worker.sampling import Sampler, SamplerOutput, validate_sampling_params
+from model_worker.sampling.prompt_logprobs import PromptLogprobs
 from model_worker.scheduler import Scheduler
 from model_worker.sequence import FinishReason, SamplingParams, Sequence
+from model_worker.sequence_group import SequenceGroup
+from model_worker.structured_output import CompiledGrammar, GrammarMatcher, TokenBitmaskFiller
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +38,9 @@ class RequestRejected(Exception):
 
 @dataclass
 class SequenceOutput:
-    """What one sequence got from one step (at most one new token)."""
+    """What one sample of a request got from one step (at most one new token)."""
 
-    seq_id: int
+    seq_id: int  # the request's id as given to add_request (all its samples share it)
     token_id: int | None
     logprob: float | None = None
     top_token_ids: list[int] = field(default_factory=list)
@@ -42,25 +49,45 @@ class SequenceOutput:
     stop_token_id: int = 0
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    index: int = 0  # which of the request's n outputs
+    num_cached_prompt_tokens: int = 0
+    raw_logprob: float | None = None  # the chosen token's raw logprob, whatever the logprobs mode
+    cumulative_logprob: float | None = None  # sum of raw_logprob over this sample's tokens so far
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token of sample 0, when asked
+    request_finished: bool = False  # the last output of the request: every sample has ended
 
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, eos_token_ids: list[int], max_num_seqs: int,
-                 max_num_batched_tokens: int, max_waiting_requests: int, seed: int = 0) -> None:
+                 max_num_batched_tokens: int, max_waiting_requests: int, seed: int = 0,
+                 enable_prefix_caching: bool = True, max_best_of: int = 16) -> None:
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = runner.max_model_len
         self.max_waiting_requests = max_waiting_requests
-        self.scheduler = Scheduler(SlotAllocator(max_num_seqs), max_num_batched_tokens)
-        self.generators = SeededGenerators(runner.device, seed)
-        self.sequences: dict[int, Sequence] = {}
+        self.max_best_of = max_best_of
+        kv = runner.kv_cache
+        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.sampler = Sampler(runner.vocab_size, runner.device)
+        # Keys the draws of requests without a seed: random per request, reproducible per worker seed.
+        self._unseeded_keys = random.Random(seed)
+        self._prompt_logprobs: dict[int, PromptLogprobs] = {}  # by seq_id, while the prompt is prefilled
+        self.groups: dict[int, SequenceGroup] = {}  # by request id
+        self._group_of: dict[int, SequenceGroup] = {}  # by seq_id of each live sample
+        self._seq_ids = itertools.count()
+        # Structured output: each constrained sample's position in its grammar, by seq_id.
+        self._grammars: dict[int, GrammarMatcher] = {}
+        self._bitmask_filler = TokenBitmaskFiller(runner.vocab_size)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def add_request(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingParams, max_tokens: int,
-                    stop_token_ids: list[int], ignore_eos: bool) -> Sequence:
-        """Validates and queues a request; raises RequestRejected with a clear message."""
+                    stop_token_ids: list[int], ignore_eos: bool, n: int = 1, best_of: int = 0,
+                    grammar: CompiledGrammar | None = None) -> Sequence:
+        """Validates and queues a request (seq_id: the caller's request id) with n outputs from
+        best_of samples (0: n); returns its first sample. Raises RequestRejected with a clear message."""
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         vocab = self.runner.vocab_size
         num_prompt = len(prompt_token_ids)
@@ -81,42 +108,96 @@ class LLMEngine:
             raise RequestRejected(invalid, f"this model's maximum context length is {self.max_model_len} tokens, "
                                            f"but {num_prompt + max_tokens} were requested ({num_prompt} in the "
                                            f"prompt, {max_tokens} for the output)")
-        if sampling.temperature < 0 or sampling.temperature != sampling.temperature:
-            raise RequestRejected(invalid, f"temperature must be >= 0, not {sampling.temperature}")
-        if not 0.0 <= sampling.top_p <= 1.0:
-            raise RequestRejected(invalid, f"top_p must be in (0, 1], not {sampling.top_p}")
-        if sampling.top_k < 0:
-            raise RequestRejected(invalid, f"top_k must be >= 0 (0 disables it), not {sampling.top_k}")
-        if not 0 <= sampling.top_logprobs <= vocab:
-            raise RequestRejected(invalid, f"top_logprobs must be in [0, {vocab}], not {sampling.top_logprobs}")
+        problem = validate_sampling_params(sampling, vocab, max_tokens or self.max_model_len - num_prompt)
+        if problem is not None:
+            raise RequestRejected(invalid, problem)
+        if sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=self._unseeded_keys.getrandbits(64))
         if len(self.scheduler.waiting) >= self.max_waiting_requests:
             raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"{len(self.scheduler.waiting)} requests are already waiting; try again later")
-        if seq_id in self.sequences:
+        best_of = best_of or n
+        if n < 1:
+            raise RequestRejected(invalid, f"n must be >= 1, not {n}")
+        if best_of < n:
+            raise RequestRejected(invalid, f"best_of must be >= n ({n}), not {best_of}")
+        limit = min(self.max_best_of, self.scheduler.max_num_seqs)
+        if best_of > limit:
+            raise RequestRejected(invalid, f"best_of (or n) must be <= {limit}, not {best_of}")
+        if best_of > n:
+            # Samples are ranked by the summed logprob of their tokens, wanted or not.
+            sampling = dataclasses.replace(sampling, needs_cumulative_logprob=True)
+        if seq_id in self.groups:
             raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS, f"sequence {seq_id} already exists")
         stops = set(stop_token_ids)
         if not ignore_eos:
             stops |= self.eos_token_ids
         seq = Sequence(
-            seq_id=seq_id,
+            seq_id=next(self._seq_ids),
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,
             max_tokens=max_tokens or self.max_model_len - num_prompt,
             stop_token_ids=frozenset(stops),
+            num_pending_forks=best_of - 1,
         )
-        self.sequences[seq_id] = seq
+        group = SequenceGroup(seq_id, n, best_of, seqs=[seq], cumulative_logprobs=[0.0] * best_of)
+        self.groups[seq_id] = group
+        self._group_of[seq.seq_id] = group
+        if grammar is not None:
+            self._grammars[seq.seq_id] = grammar.new_matcher()
         self.scheduler.add(seq)
         return seq
 
-    def abort_request(self, seq_id: int) -> bool:
-        """Frees the sequence's slot now; False if it was not live."""
-        seq = self.sequences.pop(seq_id, None)
-        if seq is None:
-            return False
-        seq.finish_reason = FinishReason.ABORT
+    def abort_request(self, seq_id: int) -> list[SequenceOutput]:
+        """Ends every sample of the request and frees their blocks now. Returns one ABORT
+        output per index not yet ended (the last marked request_finished); [] if not live."""
+        group = self.groups.pop(seq_id, None)
+        if group is None:
+            return []
+        for seq in group.live_seqs():
+            seq.finish_reason = FinishReason.ABORT
+            self._release(seq)
+        if group.streams:
+            indices = [i for i in range(group.n) if i not in group.ended]
+        else:
+            indices = list(range(group.n))
+        num_prompt = group.seqs[0].num_prompt_tokens
+        outputs = [SequenceOutput(seq_id, None, finish_reason=FinishReason.ABORT, num_prompt_tokens=num_prompt,
+                                  index=i) for i in indices]
+        if outputs:
+            outputs[-1].request_finished = True
+        return outputs
+
+    # --- structured output ---
+
+    def _grammar_bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The step's allowed-token bitmask [S, ceil(V / 32)] int32 (all ones on unconstrained rows),
+        or None when no row is constrained, so such steps pay nothing."""
+        if not self._grammars:
+            return None
+        bitmask = self._bitmask_filler.fill([self._grammars.get(s.seq_id) for s in seqs])
+        return bitmask.to(self.runner.device, non_blocking=True) if bitmask is not None else None
+
+    def _advance_grammar(self, seq: Sequence, matcher: GrammarMatcher, token: int) -> None:
+        """Moves the sample's grammar past its new token; a complete output ends with STOP (even
+        on its last allowed token: the document is whole, so not LENGTH)."""
+        if not matcher.accept_token(token):
+            # Only reachable when nothing the grammar allows was left to draw (e.g. allowed_token_ids
+            # disjoint from it): that token is sent, and the sample ends there with an error.
+            logger.warning("sequence %d drew token %d outside its grammar: %s", seq.seq_id, token,
+                           matcher.error.partition("\n")[0])
+            seq.finish_reason = FinishReason.ERROR
+        elif matcher.is_finished:
+            seq.finish_reason = FinishReason.STOP
+
+    # --- end of structured output ---
+
+    def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self.generators.release(seq_id)
-        return True
+        self.sampler.release(seq.seq_id)
+        self._prompt_logprobs.pop(seq.seq_id, None)
+        self._group_of.pop(seq.seq_id, None)
+        self._grammars.pop(seq.seq_id, None)
 
     def step(self) -> list[SequenceOutput]:
         scheduled = self.scheduler.schedule()
@@ -124,23 +205,91 @@ class LLMEngine:
             return []
         step_logits = self.runner.execute(scheduled)
         chunks = scheduled.chunks
-        for chunk in chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
+        self.scheduler.update_computed(scheduled)
+        for part in step_logits.prompt_logits:
+            seq = chunks[part.chunk_index].seq
+            record = self._prompt_logprobs.setdefault(seq.seq_id, PromptLogprobs(seq.sampling.prompt_logprobs))
+            record.add_chunk(part.logits, part.first_position, seq.prompt_token_ids)
         if not step_logits.chunk_indices:
             return []
         seqs = [chunks[i].seq for i in step_logits.chunk_indices]
-        batch = SamplingBatch.build(
-            [s.sampling for s in seqs],
-            [self.generators.for_sequence(s.seq_id, s.sampling.seed) for s in seqs],
-            self.runner.vocab_size, self.runner.device,
-        )
-        sampled = sample(step_logits.logits, batch)
-        return self._append_tokens(seqs, sampled)
+        seqs, logits = self._fork_samples(seqs, step_logits.logits)
+        sampled = self.sampler.sample(logits, seqs, allowed_token_bitmask=self._grammar_bitmask(seqs))
+        return self._group_outputs(seqs, self._append_tokens(seqs, sampled))
+
+    def _fork_samples(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """A request's first sample just finished its prompt: fork the others from it, sharing
+        its KV blocks, each drawing its first token from a copy of the same logits row [V]."""
+        if not any(s.num_pending_forks for s in seqs):
+            return seqs, logits
+        rows: list[int] = []
+        expanded: list[Sequence] = []
+        for row, seq in enumerate(seqs):
+            rows.append(row)
+            expanded.append(seq)
+            if not seq.num_pending_forks:
+                continue
+            group = self._group_of[seq.seq_id]
+            for _ in range(seq.num_pending_forks):
+                child = Sequence(
+                    seq_id=next(self._seq_ids), prompt_token_ids=seq.prompt_token_ids, sampling=seq.sampling,
+                    max_tokens=seq.max_tokens, stop_token_ids=seq.stop_token_ids,
+                    num_cached_prompt_tokens=seq.num_cached_prompt_tokens, sample_index=len(group.seqs),
+                )
+                self.scheduler.fork(seq, child)
+                group.seqs.append(child)
+                self._group_of[child.seq_id] = group
+                if seq.seq_id in self._grammars:
+                    self._grammars[child.seq_id] = self._grammars[seq.seq_id].fork()
+                rows.append(row)
+                expanded.append(child)
+            seq.num_pending_forks = 0
+        return expanded, logits.index_select(0, torch.tensor(rows, device=logits.device))  # [S', V]
+
+    def _group_outputs(self, seqs: list[Sequence], outputs: list[SequenceOutput]) -> list[SequenceOutput]:
+        """Per-sample outputs -> what the caller sees: request id and index set, finished
+        samples released, best_of > n samples held back until the group ends."""
+        routed: list[SequenceOutput] = []
+        for seq, out in zip(seqs, outputs, strict=True):
+            group = self._group_of[seq.seq_id]
+            out.seq_id = group.request_id
+            out.index = seq.sample_index
+            out.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+            if out.raw_logprob is not None:
+                group.cumulative_logprobs[seq.sample_index] += out.raw_logprob
+                out.cumulative_logprob = group.cumulative_logprobs[seq.sample_index]
+            if seq.is_finished:
+                self._release(seq)
+                group.ended.add(seq.sample_index)
+            if group.streams:
+                routed.append(out)
+            else:
+                group.held.setdefault(seq.sample_index, []).append(out)
+            if group.is_finished:
+                del self.groups[group.request_id]
+                if not group.streams:
+                    routed.extend(self._best_outputs(group))
+                routed[-1].request_finished = True
+        return routed
+
+    @staticmethod
+    def _best_outputs(group: SequenceGroup) -> list[SequenceOutput]:
+        """best_of > n: the n best samples' held outputs, re-indexed 0..n-1, best first."""
+        outputs = []
+        for new_index, index in enumerate(group.best_indices()):
+            wanted = group.seqs[index].sampling.logprobs
+            for out in group.held[index]:
+                out.index = new_index
+                if not wanted:  # computed only to rank the samples
+                    out.logprob = None
+                outputs.append(out)
+        return outputs
 
     def _append_tokens(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[SequenceOutput]:
         # One device->host copy per tensor for the whole batch, not one per sequence.
         token_ids = sampled.token_ids.tolist()
         logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        raw_logprobs = sampled.raw_logprobs.tolist() if sampled.raw_logprobs is not None else None
         top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
         top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
         outputs = []
@@ -149,21 +298,27 @@ class LLMEngine:
             seq.output_token_ids.append(token)
             out = SequenceOutput(seq.seq_id, token, num_prompt_tokens=seq.num_prompt_tokens)
             params = seq.sampling
+            if params.wants_chosen_logprob and raw_logprobs is not None:
+                out.raw_logprob = raw_logprobs[row]
             if params.logprobs and logprobs is not None:
                 out.logprob = logprobs[row]
                 if params.top_logprobs and top_ids is not None:
                     out.top_token_ids = top_ids[row][:params.top_logprobs]
                     out.top_logprobs = top_lps[row][:params.top_logprobs]
+            if params.prompt_logprobs is not None and len(seq.output_token_ids) == 1 and seq.sample_index == 0:
+                record = self._prompt_logprobs.pop(seq.seq_id, None) or PromptLogprobs(params.prompt_logprobs)
+                record.pad_to(seq.num_prompt_tokens)
+                out.prompt_logprobs = record
             if token in seq.stop_token_ids:
                 seq.finish_reason, seq.stop_token_id = FinishReason.STOP, token
             elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = FinishReason.LENGTH
+            matcher = self._grammars.get(seq.seq_id)
+            if matcher is not None and seq.finish_reason in (FinishReason.NONE, FinishReason.LENGTH):
+                self._advance_grammar(seq, matcher, token)
             out.num_output_tokens = len(seq.output_token_ids)
             if seq.is_finished:
                 out.finish_reason, out.stop_token_id = seq.finish_reason, seq.stop_token_id
-                self.scheduler.finish(seq)
-                self.generators.release(seq.seq_id)
-                del self.sequences[seq.seq_id]
             outputs.append(out)
         return outputs
 

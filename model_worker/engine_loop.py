@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 
+from model_worker.beam_search_request import BeamSearchRequest
 from model_worker.engine import LLMEngine, RequestRejected, SequenceOutput
 from model_worker.sequence import FinishReason, SamplingParams
+from model_worker.structured_output import CompiledGrammar, Constraint, GrammarCompiler, GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,14 @@ class NewRequest:
     max_tokens: int
     stop_token_ids: list[int]
     ignore_eos: bool
+    n: int = 1
+    best_of: int = 0  # 0: n
+    use_beam_search: bool = False  # beam width = best_of (or n)
+    length_penalty: float = 1.0
+    diversity_penalty: float = 0.0
+    # Structured output: compiled by the loop (off the engine thread) before admission.
+    constraint: Constraint | None = None
+    grammar: CompiledGrammar | None = None  # set once constraint has compiled
 
 
 @dataclass
@@ -49,14 +59,18 @@ class StreamOutbox:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, grammar_compiler: GrammarCompiler | None = None) -> None:
         self.engine = engine
+        self.grammar_compiler = grammar_compiler
+        self._compiling: dict[int, tuple[StreamOutbox, NewRequest]] = {}  # by seq_id
         # One thread: the engine is single-threaded, and torch uses its own pool inside.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._seq_ids = itertools.count()
         self._owners: dict[int, tuple[StreamOutbox, str]] = {}
         self._pending_adds: list[tuple[StreamOutbox, int, NewRequest]] = []
         self._pending_aborts: list[int] = []
+        self._beam_requests: dict[int, BeamSearchRequest] = {}  # by the request's seq_id
+        self._beam_of_round: dict[int, BeamSearchRequest] = {}  # by the seq_id of a round's engine request
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -75,8 +89,60 @@ class EngineLoop:
     def add(self, outbox: StreamOutbox, request: NewRequest) -> None:
         seq_id = next(self._seq_ids)
         outbox.live[request.request_id] = seq_id
+        if request.constraint is not None:
+            self._compile_then_add(outbox, seq_id, request)
+            return
         self._pending_adds.append((outbox, seq_id, request))
         self._wake.set()
+
+    # --- structured output: a constrained request waits for its grammar, not the engine ---
+
+    def _compile_then_add(self, outbox: StreamOutbox, seq_id: int, request: NewRequest) -> None:
+        problem = None
+        if self.grammar_compiler is None:
+            problem = "structured output needs the model's tokenizer.json, which this worker does not have"
+        elif request.use_beam_search:
+            problem = "structured output cannot be combined with beam search"
+        if problem is not None:
+            outbox.live.pop(request.request_id, None)
+            outbox.queue.put_nowait(RequestFailure(request.request_id, grpc.StatusCode.INVALID_ARGUMENT, problem))
+            return
+        self._compiling[seq_id] = (outbox, request)
+        future = self.grammar_compiler.submit(request.constraint)
+        loop = asyncio.get_running_loop()
+        # Runs on a compile thread (or here, on a cache hit); the rest happens on the event loop.
+        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._on_compiled, seq_id, done))
+
+    def _on_compiled(self, seq_id: int, future: Future) -> None:
+        entry = self._compiling.pop(seq_id, None)
+        if entry is None:  # aborted while compiling; its abort output was sent
+            return
+        outbox, request = entry
+        try:
+            request.grammar = future.result()
+        except Exception as exc:
+            if isinstance(exc, GrammarError):
+                code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+            else:
+                logger.exception("compiling a structured output constraint failed")
+                code, message = grpc.StatusCode.INTERNAL, "compiling the constraint failed; see the model worker's log"
+            outbox.live.pop(request.request_id, None)
+            outbox.queue.put_nowait(RequestFailure(request.request_id, code, message))
+            return
+        self._pending_adds.append((outbox, seq_id, request))
+        self._wake.set()
+
+    def _abort_compiling(self, seq_id: int) -> bool:
+        entry = self._compiling.pop(seq_id, None)
+        if entry is None:
+            return False
+        outbox, request = entry
+        outbox.live.pop(request.request_id, None)
+        outbox.queue.put_nowait((request.request_id, SequenceOutput(
+            seq_id, None, finish_reason=FinishReason.ABORT, request_finished=True)))
+        return True
+
+    # --- end of structured output ---
 
     def abort(self, outbox: StreamOutbox, request_id: str) -> None:
         seq_id = outbox.live.get(request_id)
@@ -91,29 +157,85 @@ class EngineLoop:
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []
         for outbox, seq_id, req in adds:
+            if req.use_beam_search:
+                self._add_beam_search(outbox, seq_id, req)
+                continue
             try:
                 self.engine.add_request(seq_id, req.prompt_token_ids, req.sampling, req.max_tokens,
-                                        req.stop_token_ids, req.ignore_eos)
+                                        req.stop_token_ids, req.ignore_eos, req.n, req.best_of,
+                                        grammar=req.grammar)
                 self._owners[seq_id] = (outbox, req.request_id)
             except RequestRejected as exc:
                 outbox.live.pop(req.request_id, None)
                 outbox.queue.put_nowait(RequestFailure(req.request_id, exc.code, exc.message))
         aborts, self._pending_aborts = self._pending_aborts, []
         for seq_id in aborts:
+            if self._abort_compiling(seq_id):
+                continue
             owner = self._owners.pop(seq_id, None)
-            if owner is None or not self.engine.abort_request(seq_id):
+            if owner is None:
                 continue
             outbox, request_id = owner
             outbox.live.pop(request_id, None)
-            outbox.queue.put_nowait((request_id, SequenceOutput(seq_id, None, finish_reason=FinishReason.ABORT)))
+            beam_request = self._beam_requests.pop(seq_id, None)
+            if beam_request is not None:
+                for round_seq_id in beam_request.in_flight:
+                    self._beam_of_round.pop(round_seq_id, None)
+                outputs = beam_request.abort()
+            else:
+                outputs = self.engine.abort_request(seq_id)
+            for out in outputs:
+                outbox.queue.put_nowait((request_id, out))
+
+    def _add_beam_search(self, outbox: StreamOutbox, seq_id: int, req: NewRequest) -> None:
+        try:
+            beam_request = BeamSearchRequest(
+                self.engine, lambda: next(self._seq_ids), seq_id, req.prompt_token_ids, req.sampling,
+                req.max_tokens, req.stop_token_ids, req.ignore_eos, req.n, req.best_of, req.length_penalty,
+                req.diversity_penalty)
+            beam_request.start()
+        except RequestRejected as exc:
+            outbox.live.pop(req.request_id, None)
+            outbox.queue.put_nowait(RequestFailure(req.request_id, exc.code, exc.message))
+            return
+        self._owners[seq_id] = (outbox, req.request_id)
+        self._beam_requests[seq_id] = beam_request
+        self._beam_of_round.update(dict.fromkeys(beam_request.in_flight, beam_request))
+
+    def _route_beam_round(self, out: SequenceOutput) -> None:
+        beam_request = self._beam_of_round.pop(out.seq_id)
+        outbox, request_id = self._owners[beam_request.request_seq_id]
+        try:
+            outputs = beam_request.on_output(out)
+        except RequestRejected as exc:
+            for round_seq_id in beam_request.in_flight:
+                self._beam_of_round.pop(round_seq_id, None)
+            beam_request.abort()
+            outputs, failure = None, RequestFailure(request_id, exc.code, exc.message)
+        else:
+            failure = None
+            self._beam_of_round.update(dict.fromkeys(beam_request.in_flight, beam_request))
+        if outputs is None and failure is None:
+            return
+        del self._owners[beam_request.request_seq_id]
+        del self._beam_requests[beam_request.request_seq_id]
+        outbox.live.pop(request_id, None)
+        if failure is not None:
+            outbox.queue.put_nowait(failure)
+            return
+        for final in outputs:
+            outbox.queue.put_nowait((request_id, final))
 
     def _route(self, outputs: list[SequenceOutput]) -> None:
         for out in outputs:
+            if out.seq_id in self._beam_of_round:
+                self._route_beam_round(out)
+                continue
             owner = self._owners.get(out.seq_id)
             if owner is None:  # aborted while the step ran; its abort output was sent
                 continue
             outbox, request_id = owner
-            if out.finish_reason != FinishReason.NONE:
+            if out.request_finished:
                 del self._owners[out.seq_id]
                 outbox.live.pop(request_id, None)
             outbox.queue.put_nowait((request_id, out))
@@ -142,3 +264,7 @@ class EngineLoop:
             outbox.live.pop(request_id, None)
             outbox.queue.put_nowait(RequestFailure(request_id, grpc.StatusCode.INTERNAL, message))
         self._owners.clear()
+        for beam_request in self._beam_requests.values():
+            beam_request.abort()
+        self._beam_requests.clear()
+        self._beam_of_round.clear()

@@ -1,61 +1,82 @@
-"""The KV cache: one fixed slot of max_model_len positions per running sequence.
+"""The paged KV cache tensors and how many blocks they get.
 
-SlotAllocator is the pure bookkeeping the scheduler asks for room; KVCache holds the
-tensors the model writes. A slot is returned the moment its request finishes or aborts.
+The block manager (block_manager.py) decides which block each token position lives in; this
+file only holds the memory the model reads and writes through those block tables.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-class SlotAllocator:
-    """Hands out slot indices 0..num_slots-1; no tensors, so the scheduler is testable alone."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        # Lowest slot first keeps the touched cache memory compact at low load.
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)
-
-    def can_allocate(self) -> bool:
-        return bool(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError("no free KV cache slot")
-        return self._free.pop()
-
-    def deallocate(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots or slot in self._free:
-            raise ValueError(f"slot {slot} is not allocated")
-        self._free.append(slot)
+# CPU default when neither --kv-cache-memory-bytes nor --kv-cache-tokens is given: 1 GiB
+# holds ~23k tokens of SmolLM2-135M in float32 (46 KiB per token) without sizing the cache
+# from the machine's RAM, which other processes share.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
-class KVCache:
-    """key[layer], value[layer]: [num_slots, num_kv_heads, max_model_len, head_dim]."""
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Keys and values of one token position across all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_model_len: int, head_dim: int,
+
+def num_kv_blocks(bytes_per_token: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                  device: torch.device, kv_cache_tokens: int = 0, kv_cache_memory_bytes: int = 0,
+                  gpu_memory_utilization: float = 0.9) -> int:
+    """Blocks for the cache, from the first of: a token count, a byte budget, a fraction of
+    free CUDA memory (call after the weights are loaded), or DEFAULT_CPU_KV_CACHE_BYTES on CPU.
+    Never more than max_num_seqs full contexts need; never too few for one full context."""
+    if kv_cache_tokens:
+        tokens = kv_cache_tokens
+    elif kv_cache_memory_bytes:
+        tokens = kv_cache_memory_bytes // bytes_per_token
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Leave (1 - utilization) of the whole device to activations and other processes.
+        budget = free - (1.0 - gpu_memory_utilization) * total
+        tokens = int(max(budget, 0) // bytes_per_token)
+    else:
+        tokens = DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_token
+    blocks_per_context = -(-max_model_len // block_size)
+    num_blocks = min(tokens // block_size, max_num_seqs * blocks_per_context)
+    if num_blocks < blocks_per_context:
+        raise ValueError(
+            f"the KV cache budget holds {tokens} tokens ({bytes_per_token} bytes each), fewer than one "
+            f"{max_model_len}-token context; raise --kv-cache-memory-bytes / --kv-cache-tokens or lower "
+            f"--max-model-len")
+    return num_blocks
+
+
+class PagedKVCache:
+    """key, value: [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
+
+    Token-major inside a block: a decode's gather by block table (index_select over blocks)
+    then views as [B, L, Hkv, D] and attention reads it transposed without a copy, which
+    measured fastest on CPU against a head-major [.., Hkv, block_size, D] layout (that one
+    needs a reshape copy after the gather).
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, max_model_len, head_dim)
-        # zeros, not empty: masked-out positions are multiplied by zero attention weight,
-        # and NaN garbage from uninitialised memory would turn 0 * NaN into NaN.
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # zeros, not empty: masked-out positions of a gathered block are multiplied by zero
+        # attention weight, and NaN garbage from uninitialised memory would give 0 * NaN = NaN.
         self.key = torch.zeros(shape, dtype=dtype, device=device)
         self.value = torch.zeros(shape, dtype=dtype, device=device)
 
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.key.numel() * self.key.element_size()
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor) -> None:
-        """key/value [T, Hkv, D] go to (slots[t], :, positions[t], :)."""
-        self.key[layer, slots, :, positions] = key
-        self.value[layer, slots, :, positions] = value
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key/value [T, Hkv, D] go to flat positions slot_mapping [T] (block * block_size + offset)."""
+        k = self.key[layer].view(-1, *key.shape[1:])  # [num_blocks * block_size, Hkv, D]
+        v = self.value[layer].view(-1, *value.shape[1:])
+        k.index_copy_(0, slot_mapping, key)
+        v.index_copy_(0, slot_mapping, value)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: block dst[i] of every layer gets block src[i]'s keys and values."""
+        self.key[:, dst] = self.key[:, src]
+        self.value[:, dst] = self.value[:, src]

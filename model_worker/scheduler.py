@@ -1,15 +1,17 @@
 """Decides which tokens of which sequences the next engine step computes.
 
 Pure bookkeeping (no tensors): running sequences decode first, then prompts are prefilled in
-chunks that fit the step's token budget, so a long prompt never stalls running decodes.
+chunks that fit the step's token budget, so a long prompt never stalls running decodes. KV
+room comes from the block manager; when a decode cannot get a block, the newest running
+sequence is preempted (its blocks freed, recomputed later from its tokens so far).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from model_worker.kv_cache import SlotAllocator
+from model_worker.block_manager import BlockCopy, BlockManager
 from model_worker.sequence import Sequence
 
 
@@ -31,6 +33,8 @@ class SchedulerOutput:
     # in this order so all decodes share one batched attention call.
     prefills: list[ScheduledChunk]
     decodes: list[ScheduledChunk]
+    # Copy-on-write of shared partial blocks, to run before the forward.
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -45,12 +49,18 @@ class SchedulerOutput:
         return not self.prefills and not self.decodes
 
 
+def _is_decode(seq: Sequence) -> bool:
+    return seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0
+
+
 class Scheduler:
-    def __init__(self, slots: SlotAllocator, max_num_batched_tokens: int) -> None:
-        self.slots = slots
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # oldest first; preemption takes from the end
+        self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -64,36 +74,87 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        blocks = self.block_manager
         decodes: list[ScheduledChunk] = []
         prefills: list[ScheduledChunk] = []
-        # Decodes first: every running sequence past its prompt costs one token.
-        for seq in self.running:
-            if seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens > 0 and budget > 0:
-                decodes.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
-                budget -= 1
-        # Then running sequences whose prompts are partly cached (chunked prefill).
+        copies: list[BlockCopy] = []
+        # Decodes first: every running sequence past its prompt costs one token and, at a
+        # block boundary, one block; newer sequences are preempted until it gets one.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if not _is_decode(seq):
+                i += 1
+                continue
+            new_copies = blocks.append_slots(seq, 1)
+            while new_copies is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+                new_copies = blocks.append_slots(seq, 1)
+            if new_copies is None:
+                break  # seq preempted itself: it was the newest, so the pass is over
+            copies.extend(new_copies)
+            decodes.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
+            budget -= 1
+            i += 1
+        # Then running sequences whose prompts are partly computed (chunked prefill), as far
+        # as free blocks allow: they never preempt, the decodes above already did.
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.num_uncomputed_tokens > 1 or seq.num_computed_tokens == 0:
-                n = min(seq.num_uncomputed_tokens, budget)
-                prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-                budget -= n
-        # Then admit waiting sequences while a slot and budget remain, in arrival order.
-        while self.waiting and budget > 0 and self.slots.can_allocate():
-            seq = self.waiting.popleft()
-            seq.slot = self.slots.allocate()
-            self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            if _is_decode(seq):
+                continue
+            n = min(seq.num_uncomputed_tokens, budget, blocks.max_new_tokens(seq))
+            if n <= 0:
+                continue
+            copies.extend(blocks.append_slots(seq, n))
             prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
-        return SchedulerOutput(prefills, decodes)
+        # Then admit waiting sequences in arrival order while blocks, budget and seats remain.
+        # A request with n / best_of samples needs a seat for each once its prompt is done.
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            seats = 1 + seq.num_pending_forks
+            if self.running and len(self.running) + seats > self.max_num_seqs:
+                break
+            # Prompt logprobs need every prompt position's logits, so no cached prefix for
+            # them until the first token is out (a recompute after preemption may use it).
+            n = blocks.allocate_prompt(seq, budget, use_prefix_cache=(
+                seq.sampling.prompt_logprobs is None or bool(seq.output_token_ids)))
+            if n == 0:
+                break
+            self.waiting.popleft()
+            if not seq.output_token_ids:
+                seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            self.running.append(seq)
+            prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return SchedulerOutput(prefills, decodes, copies)
+
+    def update_computed(self, scheduled: SchedulerOutput) -> None:
+        """After the forward: the scheduled tokens are cached; full blocks join the prefix cache."""
+        for chunk in scheduled.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_full_blocks(chunk.seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child (same tokens as parent) starts running on parent's blocks, shared."""
+        self.block_manager.fork(parent, child)
+        self.running.append(child)
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute, not swap: its full blocks stay in the prefix cache, so re-admission
+        # often gets most of them back without a forward.
+        self.block_manager.deallocate(seq)
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        """Drops a finished or aborted sequence and frees its slot at once."""
-        if seq.slot >= 0:
-            self.slots.deallocate(seq.slot)
-            seq.slot = -1
+        """Drops a finished or aborted sequence and frees its blocks at once."""
+        self.block_manager.deallocate(seq)
         if seq in self.running:
             self.running.remove(seq)
         else:

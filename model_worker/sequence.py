@@ -19,18 +19,65 @@ class FinishReason(enum.IntEnum):
     ERROR = 4
 
 
+class SamplerOrder(enum.IntEnum):
+    # Values equal the proto's SamplerOrder.
+    DEFAULT = 0  # HF / vLLM: penalties -> temperature -> filters
+    LLAMA_CPP = 1  # llama.cpp: penalties -> DRY -> filters -> temperature last
+
+
+class LogprobsMode(enum.IntEnum):
+    # Values equal the proto's LogprobsMode.
+    RAW = 0  # the model's own log-softmax
+    PROCESSED = 1  # log-softmax of the logits the token was drawn from
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """One request's sampling settings, already resolved to their effective values (the proto's
+    "0 means off" and unset fields are mapped by the servicer); validated by the engine."""
+
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
-    seed: int | None = None
+    min_p: float = 0.0  # 0: off
+    typical_p: float = 1.0  # 1: off
+    top_n_sigma: float = 0.0  # <= 0: off
+    xtc_threshold: float = 0.1
+    xtc_probability: float = 0.0  # 0: off
+    dry_multiplier: float = 0.0  # 0: off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole context; 0: off
+    dry_sequence_breakers: tuple[tuple[int, ...], ...] = ()
+    mirostat: int = 0  # 0 off, 2: mirostat v2
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    presence_penalty: float = 0.0  # OpenAI, over output tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # HF, over prompt + output; 1: off
+    repeat_penalty: float = 1.0  # llama.cpp, over the last penalty_last_n tokens; 1: off
+    penalty_last_n: int = 64  # -1: the whole context; 0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # empty: every id
+    sampler_order: SamplerOrder = SamplerOrder.DEFAULT
+    seed: int | None = None  # None: the engine draws a random key per request
     logprobs: bool = False
     top_logprobs: int = 0
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob + k alternatives
+    # The chosen token's raw logprob is computed (for cumulative_logprob) even without logprobs:
+    # best_of / beam candidates are ranked by it.
+    needs_cumulative_logprob: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def wants_chosen_logprob(self) -> bool:
+        return self.logprobs or self.needs_cumulative_logprob
 
 
 @dataclass
@@ -43,7 +90,14 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose keys and values are in the cache; the rest still need a forward.
     num_computed_tokens: int = 0
-    slot: int = -1
+    # KV cache blocks holding this sequence's positions, in order (block_manager.py).
+    block_table: list[int] = field(default_factory=list)
+    # Prompt tokens whose KV came from the prefix cache when the sequence was first admitted.
+    num_cached_prompt_tokens: int = 0
+    # Which of its request's n / best_of samples this is (0-based); keys seeded draws.
+    sample_index: int = 0
+    # Samples still to fork from this one once its prompt is prefilled (n / best_of - 1).
+    num_pending_forks: int = 0
     finish_reason: FinishReason = FinishReason.NONE
     stop_token_id: int = 0
 

@@ -14,7 +14,9 @@ import grpc
 
 from model_worker.engine import SequenceOutput
 from model_worker.engine_loop import EngineLoop, NewRequest, RequestFailure, StreamOutbox
-from model_worker.sequence import SamplingParams
+from model_worker.sampling.prompt_logprobs import PromptLogprobs
+from model_worker.sequence import LogprobsMode, SamplerOrder, SamplingParams
+from model_worker.structured_output import constraint_from_proto
 from tokenwire.packing import pack_float32, pack_int32
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc
@@ -24,29 +26,66 @@ logger = logging.getLogger(__name__)
 _STREAM_CLOSED = object()
 
 
+def _off_as(value: float, off: float) -> float:
+    """The proto's "0 disables it" -> the parameter's neutral value."""
+    return off if value == 0.0 else value
+
+
 def sampling_from_proto(add: pb.AddRequest) -> SamplingParams:
+    """AddRequest -> effective SamplingParams: unset fields take the defaults the proto documents."""
     s = add.sampling
+    defaults = SamplingParams()
     return SamplingParams(
         temperature=s.temperature,
         top_k=s.top_k,
-        top_p=s.top_p if s.top_p != 0.0 else 1.0,
+        top_p=_off_as(s.top_p, 1.0),
+        min_p=s.min_p,
+        typical_p=_off_as(s.typical_p, 1.0),
+        top_n_sigma=s.top_n_sigma,
+        xtc_threshold=s.xtc_threshold,
+        xtc_probability=s.xtc_probability,
+        dry_multiplier=s.dry_multiplier,
+        dry_base=s.dry_base if s.HasField("dry_base") else defaults.dry_base,
+        dry_allowed_length=s.dry_allowed_length if s.HasField("dry_allowed_length") else defaults.dry_allowed_length,
+        dry_penalty_last_n=s.dry_penalty_last_n if s.HasField("dry_penalty_last_n") else defaults.dry_penalty_last_n,
+        dry_sequence_breakers=tuple(tuple(b.token_ids) for b in s.dry_sequence_breakers),
+        mirostat=s.mirostat,
+        mirostat_tau=s.mirostat_tau if s.HasField("mirostat_tau") else defaults.mirostat_tau,
+        mirostat_eta=s.mirostat_eta if s.HasField("mirostat_eta") else defaults.mirostat_eta,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=_off_as(s.repetition_penalty, 1.0),
+        repeat_penalty=_off_as(s.repeat_penalty, 1.0),
+        penalty_last_n=s.penalty_last_n if s.HasField("penalty_last_n") else defaults.penalty_last_n,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        min_tokens=s.min_tokens,
+        bad_words=tuple(tuple(w.token_ids) for w in s.bad_words),
+        allowed_token_ids=tuple(s.allowed_token_ids),
+        sampler_order=SamplerOrder(s.sampler_order) if s.sampler_order in tuple(SamplerOrder) else s.sampler_order,
         seed=s.seed if s.HasField("seed") else None,
         logprobs=add.logprobs,
         top_logprobs=add.top_logprobs if add.logprobs else 0,
+        logprobs_mode=(LogprobsMode(add.logprobs_mode) if add.logprobs_mode in tuple(LogprobsMode)
+                       else add.logprobs_mode),
+        prompt_logprobs=add.prompt_logprobs if add.HasField("prompt_logprobs") else None,
     )
 
 
 class _SequenceFrameBuilder:
     """Accumulates one request's outputs of several steps into one SequenceTokens."""
 
-    __slots__ = ("request_id", "token_ids", "logprobs", "top_ids", "top_lps", "last")
+    __slots__ = ("request_id", "index", "token_ids", "logprobs", "top_ids", "top_lps", "cumulative", "prompt",
+                 "last")
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, index: int) -> None:
         self.request_id = request_id
+        self.index = index
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_ids: list[int] = []
         self.top_lps: list[float] = []
+        self.cumulative: float | None = None
+        self.prompt: PromptLogprobs | None = None
         self.last: SequenceOutput | None = None
 
     def add(self, out: SequenceOutput) -> None:
@@ -56,6 +95,10 @@ class _SequenceFrameBuilder:
                 self.logprobs.append(out.logprob)
                 self.top_ids.extend(out.top_token_ids)
                 self.top_lps.extend(out.top_logprobs)
+            if out.cumulative_logprob is not None:
+                self.cumulative = out.cumulative_logprob
+        if out.prompt_logprobs is not None:
+            self.prompt = out.prompt_logprobs
         self.last = out
 
     def build(self) -> pb.SequenceTokens:
@@ -73,11 +116,26 @@ class _SequenceFrameBuilder:
             stop_token_id=last.stop_token_id,
             num_prompt_tokens=last.num_prompt_tokens,
             num_output_tokens=last.num_output_tokens,
+            index=self.index,
+            num_cached_prompt_tokens=last.num_cached_prompt_tokens,
+            cumulative_logprob=self.cumulative if self.cumulative is not None else 0.0,
+            **self._prompt_fields(),
         )
+
+    def _prompt_fields(self) -> dict:
+        prompt = self.prompt
+        if prompt is None:
+            return {}
+        return {
+            "prompt_logprobs": pack_float32(prompt.logprobs),
+            "num_prompt_top_logprobs": prompt.num_top,
+            "prompt_top_token_ids": pack_int32(prompt.top_token_ids) if prompt.num_top else b"",
+            "prompt_top_logprobs": pack_float32(prompt.top_logprobs) if prompt.num_top else b"",
+        }
 
 
 def build_frame(items: list) -> pb.TokenFrame:
-    builders: dict[str, _SequenceFrameBuilder] = {}
+    builders: dict[tuple[str, int], _SequenceFrameBuilder] = {}
     failures: list[pb.SequenceTokens] = []
     for item in items:
         if isinstance(item, RequestFailure):
@@ -86,9 +144,10 @@ def build_frame(items: list) -> pb.TokenFrame:
                 error=pb.RequestError(code=item.code.value[0], message=item.message)))
             continue
         request_id, out = item
-        builder = builders.get(request_id)
+        key = (request_id, out.index)
+        builder = builders.get(key)
         if builder is None:
-            builder = builders[request_id] = _SequenceFrameBuilder(request_id)
+            builder = builders[key] = _SequenceFrameBuilder(request_id, out.index)
         builder.add(out)
     return pb.TokenFrame(sequences=[b.build() for b in builders.values()] + failures)
 
@@ -100,6 +159,22 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.model_info
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.WorkerLoad:
+        # Plain counters read between or during a step: a snapshot, never a torn structure.
+        engine = self.loop.engine
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        return pb.WorkerLoad(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            max_waiting=engine.max_waiting_requests,
+            kv_blocks_total=blocks.num_blocks,
+            kv_blocks_used=blocks.num_used_blocks,
+            kv_block_size=blocks.block_size,
+            prefix_cache_queried_tokens=blocks.prefix_queried_tokens,
+            prefix_cache_hit_tokens=blocks.prefix_hit_tokens,
+            num_preemptions=scheduler.num_preemptions,
+        )
 
     async def Generate(self, request_iterator, context) -> AsyncIterator[pb.TokenFrame]:
         outbox = StreamOutbox()
@@ -142,6 +217,12 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                             max_tokens=add.max_tokens,
                             stop_token_ids=list(add.stop_token_ids),
                             ignore_eos=add.ignore_eos,
+                            n=add.n or 1,
+                            best_of=add.best_of,
+                            use_beam_search=add.use_beam_search,
+                            length_penalty=add.length_penalty if add.HasField("length_penalty") else 1.0,
+                            diversity_penalty=add.diversity_penalty,
+                            constraint=constraint_from_proto(add.structured_output),
                         ))
                 for abort in frame.aborts:
                     self.loop.abort(outbox, abort.request_id)

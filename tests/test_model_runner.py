@@ -12,10 +12,13 @@ CPU = torch.device("cpu")
 
 
 def full_forward_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
-    """Reference: the whole sequence in one prefill in a scratch slot, no cache reuse."""
+    """Reference: the whole sequence in one prefill (no cache reads) into blocks that are free
+    once the engine is done."""
     from model_worker.attention_metadata import AttentionMetadata
 
-    meta = AttentionMetadata.build([(runner.kv_cache.key.shape[1] - 1, 0, len(tokens))], [], CPU)
+    bs = runner.kv_cache.block_size
+    table = list(range(-(-len(tokens) // bs)))
+    meta = AttentionMetadata.build([(table, 0, len(tokens))], [], bs, CPU)
     hidden = runner.model.forward(torch.tensor(tokens), meta, runner.kv_cache)
     return runner.model.logits(hidden)
 

@@ -27,7 +27,10 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def stack(smollm2_dir):
-    with start_stack(["--model", "default", "--max-num-seqs", "8", "--max-model-len", "1024"]) as s:
+    # float32: the greedy parity below compares token ids with transformers' float32 generate;
+    # the bf16 default is checked against the same answers in test_model_runner_bf16.
+    with start_stack(["--model", "default", "--dtype", "float32", "--max-num-seqs", "8",
+                      "--max-model-len", "1024"]) as s:
         yield s
 
 

@@ -1,0 +1,120 @@
+"""Runs one beam-search request on the engine as rounds of one-token requests.
+
+Each round adds one engine request per live beam (prompt + the beam's tokens, greedy, one
+output token, raw top-k logprobs). The prefix cache serves the shared blocks, so a round
+costs about one decode per beam plus the beam's last partial block. BeamSearch (pure) picks
+the survivors; when it is done, the n best hypotheses go out as the request's outputs, best
+first, all at once (nothing streams, as with best_of > n).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import grpc
+
+from model_worker.beam_search import BeamCandidates, BeamSearch
+from model_worker.engine import LLMEngine, RequestRejected, SequenceOutput
+from model_worker.sequence import FinishReason, SamplingParams
+
+
+class BeamSearchRequest:
+    def __init__(self, engine: LLMEngine, new_seq_id: Callable[[], int], request_seq_id: int,
+                 prompt_token_ids: list[int], sampling: SamplingParams, max_tokens: int,
+                 stop_token_ids: list[int], ignore_eos: bool, n: int, best_of: int,
+                 length_penalty: float, diversity_penalty: float) -> None:
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        beam_width = best_of or n
+        num_prompt = len(prompt_token_ids)
+        if n < 1 or beam_width < n:
+            raise RequestRejected(invalid, f"beam search needs 1 <= n <= best_of (the beam width), got n={n}, "
+                                           f"best_of={best_of}")
+        if beam_width > engine.max_best_of:
+            raise RequestRejected(invalid, f"the beam width (best_of) must be <= {engine.max_best_of}, "
+                                           f"not {beam_width}")
+        # Beam search ranks by the model's own logprobs; a temperature or filter would change
+        # nothing it could honour, so say so instead of ignoring it (vLLM did the same).
+        if sampling.temperature != 0.0 or sampling.top_k > 0 or sampling.top_p < 1.0:
+            raise RequestRejected(invalid, "beam search is deterministic: temperature must be 0 and top_k/top_p "
+                                           "unset")
+        if diversity_penalty < 0.0 or diversity_penalty != diversity_penalty:
+            raise RequestRejected(invalid, f"diversity_penalty must be >= 0, not {diversity_penalty}")
+        if length_penalty != length_penalty:
+            raise RequestRejected(invalid, "length_penalty must be a number")
+        if max_tokens < 0:
+            raise RequestRejected(invalid, f"max_tokens must be >= 0 (0 means up to the context), not {max_tokens}")
+        if num_prompt and num_prompt < engine.max_model_len:
+            room = engine.max_model_len - num_prompt
+            if max_tokens > room:
+                raise RequestRejected(invalid, f"this model's maximum context length is {engine.max_model_len} "
+                                               f"tokens, but {num_prompt + max_tokens} were requested ({num_prompt} "
+                                               f"in the prompt, {max_tokens} for the output)")
+            max_tokens = max_tokens or room
+        stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else engine.eos_token_ids)
+        self.engine = engine
+        self.new_seq_id = new_seq_id
+        self.request_seq_id = request_seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.want_logprobs = sampling.logprobs
+        self.search = BeamSearch(beam_width, n, max(max_tokens, 1), stops, length_penalty, diversity_penalty,
+                                 top_logprobs=sampling.top_logprobs if sampling.logprobs else 0)
+        self.round_sampling = dataclasses.replace(
+            SamplingParams(), temperature=0.0, seed=0, logprobs=True, top_logprobs=self.search.num_candidates)
+        self.in_flight: dict[int, int] = {}  # engine seq_id -> live beam index, this round
+        self._results: dict[int, BeamCandidates] = {}
+
+    def start(self) -> None:
+        """Adds the first round; raises RequestRejected if the engine refuses the prompt."""
+        self._add_round()
+
+    def _add_round(self) -> None:
+        self._results.clear()
+        for beam_index, beam in enumerate(self.search.beams):
+            seq_id = self.new_seq_id()
+            self.engine.add_request(seq_id, self.prompt_token_ids + beam.token_ids, self.round_sampling,
+                                    max_tokens=1, stop_token_ids=[], ignore_eos=True)
+            self.in_flight[seq_id] = beam_index
+
+    def on_output(self, out: SequenceOutput) -> list[SequenceOutput] | None:
+        """Takes one round request's output; returns the request's outputs once the search ends.
+        Raises RequestRejected when the engine refuses the next round (e.g. queue full)."""
+        beam_index = self.in_flight.pop(out.seq_id)
+        if out.finish_reason in (FinishReason.ABORT, FinishReason.ERROR) or out.token_id is None:
+            raise RequestRejected(grpc.StatusCode.INTERNAL, "a beam-search round ended without a token")
+        self._results[beam_index] = BeamCandidates(list(out.top_token_ids), list(out.top_logprobs))
+        if self.in_flight:
+            return None
+        self.search.advance([self._results[i] for i in range(len(self.search.beams))])
+        if not self.search.done:
+            self._add_round()
+            return None
+        return self._final_outputs()
+
+    def abort(self) -> list[SequenceOutput]:
+        for seq_id in self.in_flight:
+            self.engine.abort_request(seq_id)
+        self.in_flight.clear()
+        return [SequenceOutput(self.request_seq_id, None, finish_reason=FinishReason.ABORT,
+                               num_prompt_tokens=len(self.prompt_token_ids), request_finished=True)]
+
+    def _final_outputs(self) -> list[SequenceOutput]:
+        outputs: list[SequenceOutput] = []
+        num_prompt = len(self.prompt_token_ids)
+        for index, hyp in enumerate(self.search.best()):
+            cumulative = 0.0
+            for pos, (token, lp) in enumerate(zip(hyp.token_ids, hyp.logprobs, strict=True)):
+                cumulative += lp
+                out = SequenceOutput(self.request_seq_id, token, num_prompt_tokens=num_prompt,
+                                     num_output_tokens=pos + 1, index=index, raw_logprob=lp,
+                                     cumulative_logprob=cumulative)
+                if self.want_logprobs:
+                    out.logprob = lp
+                    if hyp.top:
+                        out.top_token_ids, out.top_logprobs = hyp.top[pos]
+                outputs.append(out)
+            last = outputs[-1]
+            last.finish_reason = FinishReason.STOP if hyp.stopped else FinishReason.LENGTH
+            last.stop_token_id = hyp.token_ids[-1] if hyp.stopped else 0
+        outputs[-1].request_finished = True
+        return outputs

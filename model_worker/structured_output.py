@@ -1,0 +1,256 @@
+"""Structured output: compiles per-request constraints (JSON schema, JSON object, regex, GBNF/Lark
+grammar, choice) with llguidance and turns each step's constrained rows into token bitmasks.
+
+Sits between the request (AddRequest.structured_output -> Constraint) and the sampler: the
+engine loop compiles off the hot path (GrammarCompiler, cached by constraint), each sequence
+owns a GrammarMatcher, and each step fills one packed bitmask for its constrained rows only.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import llguidance
+import llguidance.torch
+import numpy as np
+import torch
+
+from tokenwire.v1 import model_worker_pb2 as pb
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
+
+# llguidance's JSON options. Compact separators with the ", " / ": " spacing models see most:
+# flexible whitespace would let a small model pad forever with newlines inside the object.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A constraint the engine cannot compile; the message is safe to show the client."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's constraint as data: the cache key of its compiled grammar."""
+
+    kind: ConstraintKind
+    # JSON Schema text, regex, grammar text, or a JSON list of choices; "" for json_object.
+    text: str
+
+
+def constraint_from_proto(structured_output: pb.StructuredOutput) -> Constraint | None:
+    """tokenwire.v1.StructuredOutput -> Constraint, or None when the request has none."""
+    kind = structured_output.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not structured_output.json_object):
+        return None
+    if kind == "json_object":
+        return Constraint("json_object", "")
+    if kind == "choice":
+        return Constraint("choice", json.dumps(list(structured_output.choice.choices), ensure_ascii=False))
+    return Constraint(kind, getattr(structured_output, kind))
+
+
+def llguidance_grammar(constraint: Constraint) -> str:
+    """Constraint -> llguidance's grammar text; raises GrammarError for input that is not even
+    well-formed (the engine's own checks come later, when a matcher is built)."""
+    kind, text = constraint.kind, constraint.text
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"json_schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise GrammarError(f"json_schema must be a JSON object, not {json.dumps(schema)[:40]}")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    if kind == "grammar":
+        if not text.strip():
+            raise GrammarError("grammar is empty")
+        try:
+            # GBNF (llama.cpp, `root ::= ...`) or Lark (`start: ...`), detected from the text.
+            return llguidance.grammar_from("grammar", text)
+        except ValueError as exc:
+            raise GrammarError(f"grammar: {exc}") from None
+    if kind == "choice":
+        choices = json.loads(text)
+        if not isinstance(choices, list) or not choices:
+            raise GrammarError("choice needs at least one string")
+        if not all(isinstance(c, str) and c for c in choices):
+            raise GrammarError("choices must be non-empty strings")
+        # Each choice as a Lark string literal; JSON string escapes are Lark's.
+        lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    raise GrammarError(f"unknown structured output kind {kind!r}")
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar: the tokens it may take next, and whether it is done."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advances past a sampled token; False if the grammar did not allow it."""
+        return self._matcher.consume_token(token_id)
+
+    def fork(self) -> GrammarMatcher:
+        """An independent copy at the same position (a forked sample of an n > 1 request)."""
+        return GrammarMatcher(self._matcher.deep_copy())
+
+    @property
+    def is_finished(self) -> bool:
+        """The output is complete: the grammar allows nothing more but the end (eos)."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error()
+
+
+class CompiledGrammar:
+    """A compiled constraint, shared by every request that uses it; hands out fresh matchers."""
+
+    __slots__ = ("constraint", "_template")
+
+    def __init__(self, constraint: Constraint, template: llguidance.LLMatcher) -> None:
+        self.constraint = constraint
+        # Never advanced: each sequence gets a copy, which is ~10 us against ~1 ms for a rebuild.
+        self._template = template
+
+    def new_matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._template.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles constraints on a small named thread pool and keeps the newest `cache_size`
+    results (failures included, so a repeated bad schema is refused at once).
+
+    The cache holds futures, so concurrent requests with one schema share one compilation.
+    """
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, cache_size: int = 256, num_threads: int = 2) -> None:
+        self.tokenizer = tokenizer
+        self.cache_size = cache_size
+        self._cache: OrderedDict[Constraint, Future[CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()
+        # llguidance drops the GIL while it builds a grammar, so these threads do not slow steps.
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar-compile")
+
+    @classmethod
+    def from_tokenizer_file(cls, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int],
+                            **kwargs) -> GrammarCompiler:
+        """Builds llguidance's token trie from tokenizer.json (~1 s for a 49k vocabulary).
+
+        vocab_size is the logits' width (may exceed the tokenizer's); eos_token_ids are the
+        tokens a complete output may end with.
+        """
+        tokenizer = llguidance.LLTokenizer(tokenizer_json.read_text(), n_vocab=vocab_size,
+                                           eos_token=list(eos_token_ids) or None)
+        return cls(tokenizer, **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def submit(self, constraint: Constraint) -> Future[CompiledGrammar]:
+        """Starts (or finds) the compilation; the future raises GrammarError on bad input."""
+        with self._lock:
+            future = self._cache.get(constraint)
+            if future is not None:
+                self._cache.move_to_end(constraint)
+                return future
+            future = self._pool.submit(self._compile, constraint)
+            self._cache[constraint] = future
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            return future
+
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """Blocking form of submit(), for tests and benchmarks."""
+        return self.submit(constraint).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, constraint: Constraint) -> CompiledGrammar:
+        try:
+            grammar = llguidance_grammar(constraint)
+        except GrammarError:
+            raise
+        except ValueError as exc:  # llguidance's own refusals of a malformed input
+            raise GrammarError(f"cannot compile {constraint.kind}: {exc}") from None
+        # llguidance reports bad grammars (unsupported JSON Schema keywords, bad regexes,
+        # unsatisfiable bounds) as a matcher in the error state, never as an exception.
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise GrammarError(f"cannot compile {constraint.kind}: {template.get_error().strip()}")
+        return CompiledGrammar(constraint, template)
+
+
+class TokenBitmaskFiller:
+    """Fills one step's packed bitmask: the rows with a matcher, in parallel across rows."""
+
+    def __init__(self, vocab_size: int, num_threads: int = 2) -> None:
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self._executor = llguidance.LLExecutor(num_threads)
+
+    def fill(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor | None:
+        """Row i's matcher (None: unconstrained) -> bitmask [S, ceil(V / 32)] int32 on the CPU, bit
+        j of word w set when token 32 * w + j is allowed, unconstrained rows all ones (-1); None
+        when no row is constrained, so a step without constraints costs nothing."""
+        constrained = [(m._matcher, row) for row, m in enumerate(matchers) if m is not None]
+        if not constrained:
+            return None
+        bitmask = torch.full((len(matchers), self.num_words), -1, dtype=torch.int32)
+        # One call for every constrained row: llguidance computes the masks on its own threads.
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, constrained, bitmask)
+        return bitmask
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask [R, W] int32 -> allowed [R, vocab_size] bool (True: the token may be drawn)."""
+    if bitmask.device.type == "cpu":
+        # numpy's unpackbits is one C loop over the bytes; the torch form makes [R, 4W, 8] temporaries.
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, count=vocab_size,
+                             bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool)
+    return unpack_bitmask_torch(bitmask, vocab_size)
+
+
+def unpack_bitmask_torch(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """unpack_bitmask on any device (CUDA keeps the mask where the logits are)."""
+    # Byte view of little-endian int32 words: byte b of word w holds tokens 32w + 8b .. +7,
+    # lowest bit first, so unpacking each byte low-to-high keeps token order.
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # [R, 4W]
+    bits = (as_bytes[:, :, None] >> _BIT_SHIFTS.to(bitmask.device)) & 1  # [R, 4W, 8]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Sets logits [S, V] of tokens the bitmask [S, W] does not allow to -inf, in place.
+
+    Only rows with some bit clear are unpacked and written; all-ones (unconstrained) rows are
+    not touched. -inf, not finfo.min, so later softmax, top-k and argmax give them exactly 0.
+    """
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    rows = (bitmask != -1).any(dim=1).nonzero()[:, 0]  # [R]
+    if rows.numel() == logits.shape[0]:
+        # Unpacking the complement gives the disallowed tokens without a separate negation pass.
+        logits.masked_fill_(unpack_bitmask(~bitmask, logits.shape[-1]), float("-inf"))
+    elif rows.numel():
+        disallowed = unpack_bitmask(~bitmask.index_select(0, rows), logits.shape[-1])  # [R, V]
+        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(disallowed, float("-inf")))

@@ -1,0 +1,144 @@
+"""Beam search: the pure bookkeeping on hand-made candidates, the engine-driven search against
+transformers' own beam search on the same tiny random model, and the request over gRPC."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model_worker.beam_search import BeamCandidates, BeamSearch
+from model_worker.beam_search_request import BeamSearchRequest
+from model_worker.engine import LLMEngine, RequestRejected
+from model_worker.model_runner import ModelRunner
+from model_worker.sequence import FinishReason, SamplingParams
+from tests.test_model_worker_service import add
+from tests.test_paged_attention import hf_model  # noqa: F401  (fixture)
+from tests.test_paged_service import by_index, stub  # noqa: F401  (fixture)
+from tokenwire.v1 import model_worker_pb2 as pb
+
+EOS = 0
+
+
+def cands(*pairs: tuple[int, float]) -> BeamCandidates:
+    return BeamCandidates([t for t, _ in pairs], [math.log(p) for _, p in pairs])
+
+
+def test_the_best_joint_candidates_survive_and_a_top_ranked_stop_becomes_a_hypothesis():
+    search = BeamSearch(beam_width=2, n=2, max_tokens=10, stop_token_ids=frozenset({EOS}))
+    assert search.num_candidates == 4
+    search.advance([cands((5, 0.5), (6, 0.3), (7, 0.1), (EOS, 0.05))])
+    assert [b.token_ids for b in search.beams] == [[5], [6]]
+    # Beam [5] (0.5) continues best with 8 (0.5*0.9); [6] stops at rank 1 (0.3*0.8), which is
+    # within the beam width, so it is a hypothesis; [5, 9] takes the second live place.
+    search.advance([cands((8, 0.9), (9, 0.05), (10, 0.03), (EOS, 0.02)),
+                    cands((EOS, 0.8), (11, 0.1), (12, 0.05), (13, 0.05))])
+    assert [b.token_ids for b in search.beams] == [[5, 8], [6, 11]]
+    assert [(h.token_ids, h.stopped) for h in search.finished] == [([6, EOS], True)]
+    # The stop token is not counted in the length: score = log(0.3 * 0.8) / 1.
+    assert search.finished[0].score == pytest.approx(math.log(0.3 * 0.8))
+
+
+def test_a_stop_below_the_beam_width_is_dropped():
+    search = BeamSearch(beam_width=1, n=1, max_tokens=10, stop_token_ids=frozenset({EOS}))
+    search.advance([cands((5, 0.6), (EOS, 0.3))])
+    assert [b.token_ids for b in search.beams] == [[5]] and search.finished == []
+
+
+def test_max_tokens_ends_every_beam_and_best_is_ranked_by_length_penalised_score():
+    search = BeamSearch(beam_width=2, n=2, max_tokens=2, stop_token_ids=frozenset({EOS}), length_penalty=2.0)
+    search.advance([cands((5, 0.5), (EOS, 0.4), (6, 0.05), (7, 0.05))])
+    # [EOS] ends at once: length 0 counts as 1 -> score log(0.4).
+    search.advance([cands((8, 0.9), (9, 0.05), (1, 0.03), (2, 0.02)),
+                    cands((10, 0.5), (11, 0.4), (3, 0.05), (4, 0.05))])
+    assert search.done and search.beams == []
+    best = search.best()
+    scores = {tuple(h.token_ids): h.score for h in search.finished}
+    assert scores[(5, 8)] == pytest.approx(math.log(0.45) / 4)
+    assert [tuple(h.token_ids) for h in best] == sorted(scores, key=scores.get, reverse=True)[:2]
+    assert all(not h.stopped for h in best if h.token_ids[-1] != EOS)
+
+
+def test_search_stops_once_no_live_beam_can_beat_the_kept_hypotheses():
+    search = BeamSearch(beam_width=1, n=1, max_tokens=100, stop_token_ids=frozenset({EOS}))
+    search.advance([cands((EOS, 0.9), (5, 0.1))])
+    # The hypothesis scores log(0.9); the live beam already scores below it and can only fall.
+    assert search.done and search.best()[0].token_ids == [EOS]
+
+
+def test_diversity_penalty_pushes_beams_to_different_tokens():
+    plain = BeamSearch(beam_width=2, n=2, max_tokens=1, stop_token_ids=frozenset())
+    plain.advance([cands((5, 0.9), (6, 0.05), (7, 0.03), (8, 0.02))])
+    diverse = BeamSearch(beam_width=2, n=2, max_tokens=1, stop_token_ids=frozenset(), diversity_penalty=5.0)
+    row = cands((5, 0.9), (6, 0.05), (7, 0.03), (8, 0.02))
+    diverse.advance([row, row])  # both groups start from the prompt
+    assert [h.token_ids for h in plain.best()] == [[5], [6]]
+    assert sorted(h.token_ids[0] for h in diverse.best()) == [5, 6]
+    weak = BeamSearch(beam_width=2, n=2, max_tokens=1, stop_token_ids=frozenset(), diversity_penalty=0.01)
+    weak.advance([row, row])
+    assert [h.token_ids for h in weak.best()] == [[5], [5]]  # a tiny penalty cannot beat 0.9 vs 0.05
+
+
+def make_engine(tiny_model_dir) -> LLMEngine:
+    runner = ModelRunner(tiny_model_dir, "dummy", torch.device("cpu"), torch.float32, 8, 128, kv_cache_tokens=1024,
+                         block_size=8)
+    return LLMEngine(runner, eos_token_ids=[EOS], max_num_seqs=8, max_num_batched_tokens=256,
+                     max_waiting_requests=64)
+
+
+def run_beam(engine: LLMEngine, prompt: list[int], **kwargs) -> list:
+    ids = iter(range(1000, 10**6))
+    request = BeamSearchRequest(engine, lambda: next(ids), 7, prompt, kwargs.pop("sampling", SamplingParams()),
+                                kwargs.pop("max_tokens"), [], False, kwargs.pop("n"), kwargs.pop("best_of"),
+                                kwargs.pop("length_penalty", 1.0), kwargs.pop("diversity_penalty", 0.0))
+    request.start()
+    while engine.has_work():
+        for out in engine.step():
+            final = request.on_output(out)
+            if final is not None:
+                assert not engine.has_work()
+                return final
+    raise AssertionError("beam search never finished")
+
+
+def test_engine_beam_search_equals_transformers_beam_search(tiny_model_dir, hf_model):  # noqa: F811
+    engine = make_engine(tiny_model_dir)
+    prompt = [11, 220, 3021, 87, 5, 901, 4410]
+    outputs = run_beam(engine, prompt, max_tokens=6, n=2, best_of=3)
+    by_index_: dict[int, list[int]] = {}
+    for out in outputs:
+        by_index_.setdefault(out.index, []).append(out.token_id)
+    assert outputs[-1].request_finished and all(not o.request_finished for o in outputs[:-1])
+    with torch.inference_mode():
+        ref = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                num_beams=3, num_return_sequences=2, max_new_tokens=6, do_sample=False,
+                                early_stopping=False, length_penalty=1.0, eos_token_id=EOS, pad_token_id=EOS)
+    expected = [row[len(prompt):].tolist() for row in ref]
+    assert [by_index_[0], by_index_[1]] == expected
+    # Every round request ended and freed its blocks (the prefix cache may keep them cached).
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_beam_search_rejects_sampling_knobs(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    with pytest.raises(RequestRejected, match="temperature must be 0"):
+        run_beam(engine, [1, 2, 3], sampling=SamplingParams(temperature=0.7), max_tokens=4, n=1, best_of=2)
+    with pytest.raises(RequestRejected, match="n <= best_of"):
+        run_beam(engine, [1, 2, 3], max_tokens=4, n=3, best_of=2)
+
+
+@pytest.mark.slow
+def test_beam_search_over_grpc_sends_n_ranked_outputs_at_the_end(stub):  # noqa: F811
+    request = add("beam", [1, 2, 3, 4, 5], 5, n=2, best_of=3, use_beam_search=True, logprobs=True, top_logprobs=2)
+    results = by_index(stub, [pb.RequestFrame(adds=[request])], "beam")
+    assert set(results) == {0, 1}
+    for r in results.values():
+        assert 1 <= len(r["tokens"]) <= 5
+        assert r["finishes"] and r["finishes"][-1] in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+    bad = add("beam-bad", [1, 2, 3], 5, n=1, best_of=2, use_beam_search=True,
+              sampling=pb.SamplingParams(temperature=0.8))
+    frames = list(stub.Generate(iter([pb.RequestFrame(adds=[bad])]), timeout=30))
+    seqs = [s for f in frames for s in f.sequences]
+    assert seqs[-1].finish_reason == pb.FINISH_REASON_ERROR and "temperature must be 0" in seqs[-1].error.message
+    assert FinishReason.ERROR == pb.FINISH_REASON_ERROR

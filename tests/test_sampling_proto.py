@@ -1,0 +1,66 @@
+"""AddRequest -> SamplingParams (the proto's defaults and "0 means off"), and the packing of
+cumulative and prompt logprobs into SequenceTokens."""
+
+from __future__ import annotations
+
+import math
+
+from model_worker.engine import SequenceOutput
+from model_worker.sampling.prompt_logprobs import PromptLogprobs
+from model_worker.sequence import LogprobsMode, SamplerOrder
+from model_worker.servicer import build_frame, sampling_from_proto
+from tokenwire.packing import unpack_float32, unpack_int32_list
+from tokenwire.v1 import common_pb2
+from tokenwire.v1 import model_worker_pb2 as pb
+
+
+def test_unset_fields_take_the_documented_defaults():
+    p = sampling_from_proto(pb.AddRequest(request_id="a", sampling=pb.SamplingParams()))
+    assert p.greedy and p.top_k == 0 and p.top_p == 1.0 and p.typical_p == 1.0
+    assert p.repetition_penalty == 1.0 and p.repeat_penalty == 1.0
+    assert p.penalty_last_n == 64
+    assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n) == (0.0, 1.75, 2, -1)
+    assert (p.mirostat, p.mirostat_tau, p.mirostat_eta) == (0, 5.0, 0.1)
+    assert p.seed is None and p.prompt_logprobs is None
+    assert p.sampler_order == SamplerOrder.DEFAULT and p.logprobs_mode == LogprobsMode.RAW
+
+
+def test_set_fields_are_carried_over():
+    s = pb.SamplingParams(
+        temperature=0.7, top_k=20, top_p=0.9, seed=0, min_p=0.05, typical_p=0.8, top_n_sigma=1.5,
+        xtc_threshold=0.2, xtc_probability=0.5, dry_multiplier=0.8, dry_base=2.0, dry_allowed_length=3,
+        dry_penalty_last_n=128, dry_sequence_breakers=[common_pb2.TokenIdSequence(token_ids=[198])],
+        mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2, presence_penalty=0.5, frequency_penalty=-0.5,
+        repetition_penalty=1.1, repeat_penalty=1.2, penalty_last_n=-1, logit_bias={5: -100.0, 3: 2.5},
+        min_tokens=4, bad_words=[common_pb2.TokenIdSequence(token_ids=[7, 8])], allowed_token_ids=[1, 2, 3],
+        sampler_order=pb.SAMPLER_ORDER_LLAMA_CPP)
+    add = pb.AddRequest(request_id="a", sampling=s, logprobs=True, top_logprobs=4,
+                        logprobs_mode=pb.LOGPROBS_MODE_PROCESSED, prompt_logprobs=0)
+    p = sampling_from_proto(add)
+    assert p.seed == 0  # set to 0 is a seed, not "unset"
+    assert p.penalty_last_n == -1 and p.dry_penalty_last_n == 128 and p.dry_base == 2.0
+    assert p.dry_sequence_breakers == ((198,),) and p.bad_words == ((7, 8),)
+    assert p.logit_bias == ((3, 2.5), (5, -100.0)) and p.allowed_token_ids == (1, 2, 3)
+    assert p.sampler_order == SamplerOrder.LLAMA_CPP and p.logprobs_mode == LogprobsMode.PROCESSED
+    assert p.prompt_logprobs == 0 and p.top_logprobs == 4
+    assert math.isclose(p.min_p, 0.05, rel_tol=1e-6) and p.mirostat == 2
+
+
+def test_cumulative_and_prompt_logprobs_are_packed():
+    prompt = PromptLogprobs(1)
+    prompt.logprobs += [-1.5, -0.25]
+    prompt.top_token_ids += [7, 8]
+    prompt.top_logprobs += [-0.5, -0.25]
+    first = SequenceOutput(seq_id=0, token_id=11, logprob=-0.5, raw_logprob=-0.5, cumulative_logprob=-0.5,
+                           prompt_logprobs=prompt, num_prompt_tokens=3, num_output_tokens=1)
+    second = SequenceOutput(seq_id=0, token_id=12, logprob=-1.0, raw_logprob=-1.0, cumulative_logprob=-1.5,
+                            num_prompt_tokens=3, num_output_tokens=2)
+    frame = build_frame([("r", first), ("r", second)])
+    seq = frame.sequences[0]
+    assert seq.cumulative_logprob == -1.5
+    lps = unpack_float32(seq.prompt_logprobs).tolist()
+    assert math.isnan(lps[0]) and lps[1:] == [-1.5, -0.25]
+    assert seq.num_prompt_top_logprobs == 1
+    assert unpack_int32_list(seq.prompt_top_token_ids) == [-1, 7, 8]
+    later = build_frame([("r", second)]).sequences[0]
+    assert later.prompt_logprobs == b"" and later.num_prompt_top_logprobs == 0

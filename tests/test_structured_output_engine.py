@@ -1,0 +1,199 @@
+"""Structured output inside the engine (tiny random model, real SmolLM2 tokenizer): constrained and
+unconstrained requests share steps, every sampler setting and n > 1 keep outputs valid, and the
+engine loop refuses a constraint that does not compile with INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import grpc
+import jsonschema
+import pytest
+import torch
+
+from model_worker.engine import LLMEngine
+from model_worker.engine_loop import EngineLoop, NewRequest, RequestFailure, StreamOutbox
+from model_worker.model_runner import ModelRunner
+from model_worker.sequence import FinishReason, SamplerOrder, SamplingParams
+from model_worker.structured_output import Constraint, GrammarCompiler
+
+CPU = torch.device("cpu")
+EOS = 2
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8},
+                   "count": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "ok": {"type": "boolean"}},
+    "required": ["name", "count", "ok"], "additionalProperties": False,
+}
+PROMPT = [1, 4093, 198, 19556, 28, 253]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    return ModelRunner(tiny_model_dir, "dummy", CPU, torch.float32, max_num_seqs=16, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_model_dir, runner):
+    compiler = GrammarCompiler.from_tokenizer_file(tiny_model_dir / "tokenizer.json", runner.vocab_size, [EOS])
+    yield compiler
+    compiler.shutdown()
+
+
+def new_engine(runner) -> LLMEngine:
+    return LLMEngine(runner, [EOS], max_num_seqs=16, max_num_batched_tokens=512, max_waiting_requests=100)
+
+
+def run(engine: LLMEngine) -> tuple[dict[tuple[int, int], list[int]], dict[tuple[int, int], FinishReason], list[set]]:
+    """Steps the engine dry -> tokens and finish reason per (request, index), and the requests
+    that got a token in each step."""
+    tokens: dict[tuple[int, int], list[int]] = {}
+    finish: dict[tuple[int, int], FinishReason] = {}
+    steps = []
+    while engine.has_work():
+        outputs = engine.step()
+        steps.append({o.seq_id for o in outputs if o.token_id is not None})
+        for out in outputs:
+            key = (out.seq_id, out.index)
+            if out.token_id is not None:
+                tokens.setdefault(key, []).append(out.token_id)
+            if out.finish_reason != FinishReason.NONE:
+                finish[key] = out.finish_reason
+    return tokens, finish, steps
+
+
+def text_of(smollm2, token_ids: list[int]) -> str:
+    return smollm2.decode([t for t in token_ids if t != EOS])
+
+
+def test_json_schema_request_shares_steps_with_an_unconstrained_one(runner, compiler, smollm2):
+    engine = new_engine(runner)
+    grammar = compiler.compile(Constraint("json_schema", json.dumps(SCHEMA)))
+    engine.add_request(1, PROMPT, SamplingParams(temperature=1.0, seed=7), 120, [], False, grammar=grammar)
+    engine.add_request(2, PROMPT, SamplingParams(temperature=1.0, seed=7), 24, [], True)
+    tokens, finish, steps = run(engine)
+    document = json.loads(text_of(smollm2, tokens[(1, 0)]))
+    jsonschema.validate(document, SCHEMA)
+    assert finish[(1, 0)] == FinishReason.STOP
+    # The free request drew from the whole vocabulary in the same steps: its random-model text
+    # is not JSON, and it ran to its length limit.
+    assert finish[(2, 0)] == FinishReason.LENGTH and len(tokens[(2, 0)]) == 24
+    assert not text_of(smollm2, tokens[(2, 0)]).startswith("{")
+    assert sum(1 for s in steps if s == {1, 2}) >= 5
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(),  # greedy
+    SamplingParams(temperature=1.3, top_k=50, top_p=0.9, min_p=0.05, seed=3),
+    SamplingParams(temperature=1.0, typical_p=0.9, top_n_sigma=2.0, xtc_probability=0.5, xtc_threshold=0.05,
+                   seed=4, sampler_order=SamplerOrder.LLAMA_CPP),
+    SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5,
+                   dry_multiplier=0.8, repeat_penalty=1.2, seed=5),
+    # A huge bias towards "[" (token 75, never allowed by the schema) and mirostat: the mask wins.
+    SamplingParams(temperature=1.0, mirostat=2, logit_bias=((75, 30.0),), seed=6, logprobs=True, top_logprobs=2),
+    # min_tokens masks eos early; ignore_eos is not set, so eos may end a complete document.
+    SamplingParams(temperature=1.0, min_tokens=3, seed=8),
+])
+def test_every_sampler_setting_keeps_the_output_valid(runner, compiler, smollm2, sampling):
+    engine = new_engine(runner)
+    grammar = compiler.compile(Constraint("json_schema", json.dumps(SCHEMA)))
+    engine.add_request(1, PROMPT, sampling, 120, [], False, n=2, grammar=grammar)
+    tokens, finish, _ = run(engine)
+    for index in (0, 1):
+        jsonschema.validate(json.loads(text_of(smollm2, tokens[(1, index)])), SCHEMA)
+        assert finish[(1, index)] == FinishReason.STOP
+
+
+def test_regex_and_choice_requests(runner, compiler, smollm2):
+    engine = new_engine(runner)
+    regex = r"[a-z]{2,6}-[0-9]{2}"
+    choices = ["alpha", "beta", "gamma delta"]
+    engine.add_request(1, PROMPT, SamplingParams(temperature=1.0, seed=1), 40, [], False, n=3,
+                       grammar=compiler.compile(Constraint("regex", regex)))
+    engine.add_request(2, PROMPT, SamplingParams(temperature=1.0, seed=2), 40, [], False, n=3,
+                       grammar=compiler.compile(Constraint("choice", json.dumps(choices))))
+    tokens, finish, _ = run(engine)
+    for index in range(3):
+        assert re.fullmatch(regex, text_of(smollm2, tokens[(1, index)]))
+        assert text_of(smollm2, tokens[(2, index)]) in choices
+        assert finish[(1, index)] == finish[(2, index)] == FinishReason.STOP
+
+
+def test_a_sample_left_with_no_allowed_token_ends_with_error(runner, compiler):
+    # allowed_token_ids disjoint from the grammar leaves nothing to draw: the sample ends, no crash.
+    engine = new_engine(runner)
+    grammar = compiler.compile(Constraint("choice", '["yes", "no"]'))
+    engine.add_request(1, PROMPT, SamplingParams(temperature=1.0, seed=1, allowed_token_ids=(75,)), 10, [], False,
+                       grammar=grammar)
+    engine.add_request(2, PROMPT, SamplingParams(temperature=1.0, seed=1), 5, [], True)
+    tokens, finish, _ = run(engine)
+    assert finish[(1, 0)] == FinishReason.ERROR and len(tokens[(1, 0)]) == 1
+    assert finish[(2, 0)] == FinishReason.LENGTH and len(tokens[(2, 0)]) == 5
+
+
+def test_sampler_draw_never_picks_a_masked_token():
+    # With Gumbel noise, a uniform that rounded to 1.0 gave +inf noise and beat every -inf mask
+    # (~0.35% of rows per step). The inverse-CDF draw now in use must hold at the extreme uniforms.
+    from model_worker.sampling.counter_random import _uniform_bits, column_counters, uniforms
+    from model_worker.sampling.sampler import inverse_cdf_draw
+
+    keys = torch.arange(1000, dtype=torch.int32) * 7919
+    columns = column_counters(49152, CPU)
+    assert (_uniform_bits(keys, columns) == 2**24 - 1).any()  # the extreme bit pattern occurs
+    u = uniforms(keys, columns[:1])
+    assert (u > 0).all() and (u < 1).all()
+    logits = torch.full((3, 49152), float("-inf"))
+    logits[:, [5, 700, 49000]] = torch.tensor([0.0, 1.0, 2.0])
+    extremes = torch.tensor([[2.0**-25], [0.5], [1.0 - 2.0**-24]])
+    assert set(inverse_cdf_draw(logits, extremes).tolist()) <= {5, 700, 49000}
+    drawn = inverse_cdf_draw(logits[:1].expand(1000, -1), u)
+    assert set(drawn.tolist()) == {5, 700, 49000}
+
+
+async def drain(outbox: StreamOutbox, request_ids: set[str]) -> dict[str, list]:
+    """Outbox items per request until each of request_ids has ended (failure or last output)."""
+    items: dict[str, list] = {r: [] for r in request_ids}
+    pending = set(request_ids)
+    while pending:
+        item = await asyncio.wait_for(outbox.queue.get(), timeout=60)
+        if isinstance(item, RequestFailure):
+            items[item.request_id].append(item)
+            pending.discard(item.request_id)
+            continue
+        request_id, out = item
+        items[request_id].append(out)
+        if out.request_finished:
+            pending.discard(request_id)
+    return items
+
+
+async def test_engine_loop_compiles_off_the_step_and_refuses_bad_constraints(runner, compiler, smollm2):
+    loop = EngineLoop(new_engine(runner), compiler)
+    loop.start()
+    try:
+        outbox = StreamOutbox()
+
+        def request(request_id: str, constraint: Constraint | None) -> NewRequest:
+            return NewRequest(request_id=request_id, prompt_token_ids=PROMPT,
+                              sampling=SamplingParams(temperature=1.0, seed=9), max_tokens=60, stop_token_ids=[],
+                              ignore_eos=False, constraint=constraint)
+
+        loop.add(outbox, request("bad", Constraint("json_schema", '{"type": "array", "uniqueItems": true}')))
+        loop.add(outbox, request("good", Constraint("json_schema", json.dumps(SCHEMA))))
+        loop.add(outbox, request("free", None))
+        items = await drain(outbox, {"bad", "good", "free"})
+        [failure] = items["bad"]
+        assert isinstance(failure, RequestFailure)
+        assert failure.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "uniqueItems" in failure.message
+        good = items["good"]
+        jsonschema.validate(json.loads(text_of(smollm2, [o.token_id for o in good if o.token_id is not None])),
+                            SCHEMA)
+        assert good[-1].finish_reason == FinishReason.STOP
+        assert items["free"][-1].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        assert not outbox.live
+    finally:
+        await loop.stop()
