@@ -2,5 +2,5 @@
 
 Sits between the model worker's token frames and the gateway's streamed text; flow:
 token_bytes -> incremental -> stop_strings, per sequence in sequence.py, per stream in
-stream.py, served by servicer.py.
+stream.py, served by servicer.py; render.py spells token ids for logprobs beside that flow.
 """

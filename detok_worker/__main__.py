@@ -24,7 +24,7 @@ async def serve(config: Config) -> None:
     health_servicer = add_health_and_reflection(server, [SERVICE_FULL_NAME])
     await mark_serving(health_servicer, [SERVICE_FULL_NAME])
     logger.info("detok worker serving %s on %s", SERVICE_FULL_NAME, config.address)
-    await serve_until_signal(server, config.address)
+    await serve_until_signal(server, config.address, config.drain_grace_s, config.tls, health_servicer)
 
 
 def main() -> None:

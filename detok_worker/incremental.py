@@ -28,7 +28,8 @@ class IncrementalDetokenizer(Protocol):
 
     def tokens_for_chars(self, token_ids: Sequence[int], num_chars: int) -> int:
         """How many of the last feed's ids it took for that feed's text to reach num_chars
-        characters (stop accounting); len(token_ids) if it never did."""
+        characters (stop accounting); len(token_ids) if it never did, 0 or less if ids held
+        back from earlier feeds already did."""
         ...
 
 
@@ -36,12 +37,14 @@ class ByteLevelDetokenizer:
     """Byte-level BPE: bytes are context-free, so text is the UTF-8 decoding of the
     concatenated token bytes and the prompt never matters."""
 
-    __slots__ = ("token_bytes", "_pending", "_pending_before_feed")
+    __slots__ = ("token_bytes", "pending", "pending_before_feed")
 
     def __init__(self, token_bytes: TokenBytes) -> None:
         self.token_bytes = token_bytes
-        self._pending = b""  # the start of a character whose remaining bytes are still to come
-        self._pending_before_feed = b""
+        # The start of a character whose remaining bytes are still to come. Public, with
+        # pending_before_feed, because stream.py's frame loop does feed_bytes' work inline.
+        self.pending = b""
+        self.pending_before_feed = b""
 
     def feed(self, token_ids: Sequence[int]) -> str:
         ids = np.asarray(token_ids, dtype=np.int64)
@@ -54,21 +57,21 @@ class ByteLevelDetokenizer:
         # function, same buffering, so the deltas concatenate to bytes.decode("utf-8",
         # "replace"), which is Rust's String::from_utf8_lossy that tokenizers' decode uses.
         # Inlined to keep the pending bytes at hand for tokens_for_chars (and save a call).
-        self._pending_before_feed = self._pending
-        data = self._pending + chunk
+        self.pending_before_feed = self.pending
+        data = self.pending + chunk
         text, consumed = codecs.utf_8_decode(data, "replace", False)
-        self._pending = data[consumed:]
+        self.pending = data[consumed:]
         return text
 
     def finish(self) -> str:
-        text, _ = codecs.utf_8_decode(self._pending, "replace", True)
-        self._pending_before_feed = self._pending
-        self._pending = b""
+        text, _ = codecs.utf_8_decode(self.pending, "replace", True)
+        self.pending_before_feed = self.pending
+        self.pending = b""
         return text
 
     def tokens_for_chars(self, token_ids: Sequence[int], num_chars: int) -> int:
         pieces = self.token_bytes.pieces
-        pending = self._pending_before_feed
+        pending = self.pending_before_feed
         produced = 0
         for count, token_id in enumerate(token_ids, start=1):
             data = pending + pieces[token_id]
@@ -86,14 +89,18 @@ class WindowDetokenizer:
     Metaspace strip the space of the first token they see, so the window always starts one
     step back (or in the prompt tail) to decode the next piece with its leading space."""
 
-    __slots__ = ("_tokenizer", "_vocab_size", "_skip_special_tokens", "_ids", "_read_offset",
-                 "_prefix_text", "_window_before_feed", "_prefix_text_before_feed")
+    __slots__ = ("_tokenizer", "_vocab_size", "_skip_special_tokens", "_byte_fallback_ids", "_skipped_ids",
+                 "_ids", "_read_offset", "_prefix_text", "_window_before_feed", "_read_offset_before_feed",
+                 "_prefix_text_before_feed")
 
     def __init__(self, decoding: TokenizerDecoding, skip_special_tokens: bool,
                  prompt_tail_ids: Sequence[int] = ()) -> None:
         self._tokenizer = decoding.tokenizer
         self._vocab_size = decoding.vocab_size
         self._skip_special_tokens = skip_special_tokens
+        self._byte_fallback_ids = decoding.byte_fallback_ids
+        # Skipped special tokens never reach the decoder, so they do not end a byte run.
+        self._skipped_ids: frozenset[int] = decoding.special_ids if skip_special_tokens else frozenset()
         self._check(prompt_tail_ids)
         # _ids[:_read_offset] is the window prefix already emitted (or prompt); the rest is
         # held because its text still ends in an unfinished character.
@@ -101,6 +108,7 @@ class WindowDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         self._window_before_feed: list[int] = []
+        self._read_offset_before_feed = 0
         self._prefix_text_before_feed = ""
 
     def _decode(self, ids: list[int]) -> str:
@@ -114,12 +122,15 @@ class WindowDetokenizer:
     def feed(self, token_ids: Sequence[int]) -> str:
         self._check(token_ids)
         self._window_before_feed = list(self._ids)
+        self._read_offset_before_feed = self._read_offset
         self._prefix_text_before_feed = self._prefix_text
         self._ids.extend(token_ids)
         text = self._decode(self._ids)
-        # A trailing U+FFFD is most likely a character whose bytes are still to come
-        # (byte-fallback pieces); hold it rather than emit a replacement char.
-        if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR):
+        # A trailing U+FFFD is most likely a character whose bytes are still to come; hold it
+        # rather than emit a replacement char. ByteFallback decodes a run of <0xNN> pieces as
+        # a whole: one invalid byte later in the run turns every byte of it into U+FFFD, even
+        # a character already complete, so nothing of an open run is final before it ends.
+        if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR) or self._in_byte_run():
             return ""
         delta = text[len(self._prefix_text):]
         # The ids just emitted become the next window's prefix.
@@ -128,8 +139,17 @@ class WindowDetokenizer:
         self._prefix_text = self._decode(self._ids)
         return delta
 
+    def _in_byte_run(self) -> bool:
+        if not self._byte_fallback_ids:
+            return False
+        for token_id in reversed(self._ids):
+            if token_id not in self._skipped_ids:
+                return token_id in self._byte_fallback_ids
+        return False
+
     def finish(self) -> str:
         self._window_before_feed = list(self._ids)
+        self._read_offset_before_feed = self._read_offset
         self._prefix_text_before_feed = self._prefix_text
         text = self._decode(self._ids)
         delta = text[len(self._prefix_text):]
@@ -139,9 +159,15 @@ class WindowDetokenizer:
         return delta
 
     def tokens_for_chars(self, token_ids: Sequence[int], num_chars: int) -> int:
-        window = list(self._window_before_feed)
+        """Counted from the first id of the last feed; 0 or less when ids held back from
+        earlier feeds (an open byte run) already completed the characters."""
+        # The replay does not hold back for an open byte run: the stop's characters first
+        # appear in decode(ids) at the piece that completes them, which is the count wanted.
+        prefix = self._window_before_feed[:self._read_offset_before_feed]
+        held = self._window_before_feed[self._read_offset_before_feed:]
         prefix_len = len(self._prefix_text_before_feed)
-        for count, token_id in enumerate(token_ids, start=1):
+        window = list(prefix)
+        for count, token_id in enumerate([*held, *token_ids], start=1 - len(held)):
             window.append(token_id)
             text = self._decode(window)
             if not text.endswith(REPLACEMENT_CHAR) and len(text) - prefix_len >= num_chars:

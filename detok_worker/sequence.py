@@ -9,17 +9,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from detok_worker.incremental import ByteLevelDetokenizer, WindowDetokenizer
+from detok_worker.render import TokenRenderer
 from detok_worker.stop_strings import StopStringMatcher
 from detok_worker.token_bytes import TokenBytes
 from tokenwire.packing import unpack_int32_list
 
 
 class DetokSequence:
-    __slots__ = ("sequence_id", "detokenizer", "token_bytes", "stop_matcher", "num_tokens",
-                 "finished", "stop_index", "num_tokens_to_stop")
+    __slots__ = ("sequence_id", "detokenizer", "token_bytes", "stop_matcher", "stop_search", "renderer",
+                 "num_tokens", "num_reported", "finished", "stop_index", "num_tokens_to_stop")
 
     def __init__(self, sequence_id: str, detokenizer: ByteLevelDetokenizer | WindowDetokenizer,
-                 stop_matcher: StopStringMatcher | None = None) -> None:
+                 stop_matcher: StopStringMatcher | None, renderer: TokenRenderer) -> None:
         self.sequence_id = sequence_id
         self.detokenizer = detokenizer
         # Set for byte-level sequences: the frame loop decodes their bytes a frame at a time.
@@ -27,7 +28,13 @@ class DetokSequence:
             detokenizer.token_bytes if isinstance(detokenizer, ByteLevelDetokenizer) else None
         )
         self.stop_matcher = stop_matcher
+        # The matcher's could_start, None without stops: the frame loop's inline check.
+        self.stop_search = stop_matcher.could_start if stop_matcher is not None else None
+        self.renderer = renderer
         self.num_tokens = 0  # generated token ids consumed so far
+        # Of those, the ones already counted in a TextDelta.num_tokens: a delta accounts for
+        # every id consumed since the sequence's previous delta.
+        self.num_reported = 0
         self.finished = False
         self.stop_index = -1
         self.num_tokens_to_stop = 0
@@ -36,23 +43,22 @@ class DetokSequence:
     def stopped(self) -> bool:
         return self.stop_index >= 0
 
+    def take_num_tokens(self) -> int:
+        """Ids the next delta accounts for: up to the stop string once one hit."""
+        end = self.num_tokens_to_stop if self.stopped else self.num_tokens
+        # Below zero only when rendered deltas already counted ids past a stop completed by
+        # ids held back (an open byte run); num_tokens_to_stop says where text ends then.
+        count = max(0, end - self.num_reported)
+        self.num_reported = max(end, self.num_reported)
+        return count
+
     def feed(self, token_ids: Sequence[int]) -> str:
         """Text to emit for these ids (ValueError on an id not in the vocabulary)."""
         text = self.detokenizer.feed(token_ids)
         self.num_tokens += len(token_ids)
         if self.stop_matcher is None:
             return text
-        return self._match_stops(text, token_ids, len(token_ids))
-
-    def feed_bytes(self, chunk: bytes, token_ids_buf: bytes) -> str:
-        """Byte-level only: chunk is the bytes of the (checked) int32 LE ids in token_ids_buf.
-        The frame loop's per-sequence step, so it stays flat."""
-        text = self.detokenizer.feed_bytes(chunk)  # type: ignore[union-attr]
-        num_new_tokens = len(token_ids_buf) >> 2
-        self.num_tokens += num_new_tokens
-        if self.stop_matcher is None:
-            return text
-        return self._match_stops(text, token_ids_buf, num_new_tokens)
+        return self.match_stops(text, token_ids, len(token_ids))
 
     def finish(self) -> str:
         """Flushes held text; the sequence is finished afterwards."""
@@ -60,13 +66,15 @@ class DetokSequence:
             return ""
         text = self.detokenizer.finish()
         if self.stop_matcher is not None:
-            text = self._match_stops(text, (), 0)
+            text = self.match_stops(text, (), 0)
             if not self.finished:
                 text += self.stop_matcher.finish()
         self.finished = True
         return text
 
-    def _match_stops(self, text: str, token_ids: Sequence[int] | bytes, num_new_tokens: int) -> str:
+    def match_stops(self, text: str, token_ids: Sequence[int] | bytes, num_new_tokens: int) -> str:
+        """text passed through the stop matcher; token_ids (a list or int32 LE bytes) are the
+        num_new_tokens ids just fed that produced it, replayed only on a hit."""
         assert self.stop_matcher is not None
         emit, stop_index, chars_to_stop = self.stop_matcher.push(text)
         if stop_index >= 0:

@@ -1,4 +1,5 @@
-"""The Detokenizer gRPC servicer: a thin asyncio shell around one DetokenizeStream per call.
+"""The Detokenizer gRPC servicer: a thin asyncio shell around one DetokenizeStream per call,
+and around the token renderer for RenderTokens.
 
 __main__.py registers it on the server; every frame the gateway sends is answered by
 exactly one TextDeltaFrame, in order.
@@ -11,8 +12,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from detok_worker.render import renderer_for
 from detok_worker.stream import BadFrameError, DetokenizeStream, OpenDecoding
 from detok_worker.token_bytes import decoding_for_identity
+from tokenwire.packing import unpack_int32
 from tokenwire.v1 import detok_worker_pb2, detok_worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -42,3 +45,18 @@ class DetokenizerServicer(detok_worker_pb2_grpc.DetokenizerServicer):
             yield reply
         logger.debug("Detokenize stream ended after %d frames, %d sequences still open",
                      num_frames, len(stream.live_sequence_ids))
+
+    async def RenderTokens(
+        self,
+        request: detok_worker_pb2.RenderTokensRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> detok_worker_pb2.RenderedTokens:
+        try:
+            decoding = self._open_decoding(request.tokenizer)
+        except Exception as exc:  # a missing or mismatched tokenizer is the caller's to fix
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"cannot load tokenizer {request.tokenizer.path!r}: {exc}")
+        try:
+            return renderer_for(decoding).render(unpack_int32(request.token_ids))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

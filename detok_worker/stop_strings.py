@@ -25,8 +25,8 @@ class StopStringMatcher:
     cuts the text earlier; then to the lower index in the list (equal strings).
     """
 
-    __slots__ = ("stops", "include_stop_str_in_output", "_held", "_max_hold", "_prefixes",
-                 "_first_chars", "_done")
+    __slots__ = ("stops", "include_stop_str_in_output", "held_text", "_max_hold", "_prefixes",
+                 "_first_chars", "_starts", "_first_char_set", "_done")
 
     def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         if not stops:
@@ -38,26 +38,35 @@ class StopStringMatcher:
         self.include_stop_str_in_output = include_stop_str_in_output
         # Text that could be the start of a stop string: held until the next push shows
         # whether the stop completes (then it must not be emitted) or not (then it is).
-        self._held = ""
+        self.held_text = ""
         self._max_hold = max(map(len, self.stops)) - 1
         self._prefixes = {stop[:end] for stop in self.stops for end in range(1, len(stop))}
         self._first_chars = re.compile("[" + "".join(sorted({re.escape(s[0]) for s in self.stops})) + "]")
+        self._starts = tuple(sorted({stop[:2] for stop in self.stops}))  # first two chars (or one)
+        self._first_char_set = "".join({stop[0] for stop in self.stops})
         self._done = False
 
-    @property
-    def held_text(self) -> str:
-        return self._held
+    def could_start(self, text: str) -> bool:
+        """Whether a stop could start in this new text: it holds one's first two chars, or
+        ends with one's first char. With nothing held, text where it could not can neither
+        hold a stop nor end in the start of one, so push() would hand it back unchanged; the
+        frame loop checks this inline and skips that call (a lone "\\n" does not wake
+        "\\n\\nObservation:"). Plain `in` tests: cheaper here than one regex search."""
+        for start in self._starts:
+            if start in text:
+                return True
+        return text[-1] in self._first_char_set if text else False
 
     def push(self, text: str) -> StopCheck:
         if self._done:
             return "", -1, 0
-        held = self._held
+        held = self.held_text
         buf = held + text if held else text
         # Most deltas hold no char that starts a stop string: then nothing can match or be
         # held, and one regex scan decides it.
         first = self._first_chars.search(buf)
         if first is None:
-            self._held = ""
+            self.held_text = ""
             return buf, -1, 0
         best_end = -1
         best_index = -1
@@ -73,11 +82,11 @@ class StopStringMatcher:
                 best_end, best_index, best_len = end, index, len(stop)
         if best_index >= 0:
             self._done = True
-            self._held = ""
+            self.held_text = ""
             cut = best_end if self.include_stop_str_in_output else best_end - best_len
             return buf[:cut], best_index, best_end - len(held)
-        self._held = buf[self._hold_from(buf):]
-        return buf[:len(buf) - len(self._held)], -1, 0
+        self.held_text = buf[self._hold_from(buf):]
+        return buf[:len(buf) - len(self.held_text)], -1, 0
 
     def _hold_from(self, buf: str) -> int:
         """Start of the longest suffix of buf that is a proper prefix of some stop string."""
@@ -93,6 +102,6 @@ class StopStringMatcher:
 
     def finish(self) -> str:
         """The held text: no more text is coming, so it cannot become a stop."""
-        held, self._held = self._held, ""
+        held, self.held_text = self.held_text, ""
         self._done = True
         return held

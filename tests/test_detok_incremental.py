@@ -240,8 +240,23 @@ def test_generic_byte_fallback_holds_partial_characters(llama_style: Tokenizer) 
     assert detokenizer.feed(hello) == "Hello"
     assert detokenizer.feed(euro[:1]) == ""
     assert detokenizer.feed(euro[1:2]) == ""
-    assert detokenizer.feed(euro[2:]) == "€"
-    assert detokenizer.finish() == ""
+    # Complete, but the byte run is still open: a bad byte next would turn all of it to U+FFFD.
+    assert detokenizer.feed(euro[2:]) == ""
+    assert detokenizer.feed(hello) == "€ Hello"
+    assert detokenizer.feed(euro) == ""
+    assert detokenizer.finish() == "€"
+
+
+def test_generic_byte_run_made_invalid_by_a_later_byte(llama_style: Tokenizer) -> None:
+    """ByteFallback turns a whole run of byte pieces into U+FFFD, one per byte, when any of
+    it is invalid UTF-8, so a finished "€" must not be sent before the run ends."""
+    byte = {b: llama_style.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    hello = llama_style.encode("Hello").ids
+    ids = [*hello, byte[0xE2], byte[0x82], byte[0xAC], byte[0x80], *hello]
+    expected = llama_style.decode(ids)
+    assert "\ufffd" * 4 in expected
+    deltas = feed_in_chunks(new_detokenizer(TokenizerDecoding(llama_style), True), ids, [1] * len(ids))
+    assert_deltas_match(deltas, expected)
 
 
 def test_generic_prompt_tail_keeps_the_leading_space(metaspace: Tokenizer) -> None:

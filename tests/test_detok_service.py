@@ -136,3 +136,23 @@ async def test_multiplexed_stream(detok_address: str, smollm2_dir: Path, tmp_pat
         with pytest.raises(grpc.aio.AioRpcError) as failure:
             await call.read()
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_render_tokens_rpc(detok_address: str, smollm2_dir: Path, tmp_path: Path) -> None:
+    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    identity = tokenizer_identity(smollm2_dir)
+    ids = tokenizer.encode(" naïve 🙂🍣").ids
+    async with grpc.aio.insecure_channel(detok_address) as channel:
+        stub = detok_worker_pb2_grpc.DetokenizerStub(channel)
+        rendered = await stub.RenderTokens(pb.RenderTokensRequest(tokenizer=identity, token_ids=pack_int32(ids)))
+        offsets = list(memoryview(rendered.offsets).cast("i"))
+        assert len(rendered.text) == len(ids) and len(offsets) == len(ids) + 1
+        assert rendered.data == " naïve 🙂🍣".encode() and offsets[-1] == len(rendered.data)
+        assert any(text.startswith("bytes:\\x") for text in rendered.text)  # 🍣 spans tokens
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await stub.RenderTokens(pb.RenderTokensRequest(tokenizer=identity, token_ids=pack_int32([10**6])))
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "1000000" in failure.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await stub.RenderTokens(pb.RenderTokensRequest(
+                tokenizer=common_pb2.TokenizerIdentity(path=str(tmp_path)), token_ids=pack_int32([1])))
+        assert failure.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from detok_worker.incremental import new_detokenizer
+from detok_worker.render import renderer_for
 from detok_worker.sequence import DetokSequence
 from detok_worker.stop_strings import StopStringMatcher
 from detok_worker.token_bytes import TokenizerDecoding
@@ -155,7 +156,8 @@ TEXT = "The café serves crème brûlée 🍮. Observation: tasty!\n\nUser: more
 def test_sequence_counts_tokens_to_stop(smollm2: Tokenizer, smollm2_decoding: TokenizerDecoding,
                                         stops: list[str], chunk: int) -> None:
     ids = smollm2.encode(TEXT).ids
-    sequence = DetokSequence("s", new_detokenizer(smollm2_decoding, True), StopStringMatcher(stops))
+    sequence = DetokSequence("s", new_detokenizer(smollm2_decoding, True), StopStringMatcher(stops),
+                             renderer_for(smollm2_decoding))
     emitted = ""
     for start in range(0, len(ids), chunk):
         emitted += sequence.feed(ids[start:start + chunk])
@@ -169,7 +171,8 @@ def test_sequence_counts_tokens_to_stop(smollm2: Tokenizer, smollm2_decoding: To
 
 def test_sequence_finish_flushes_held_text(smollm2: Tokenizer, smollm2_decoding: TokenizerDecoding) -> None:
     ids = smollm2.encode("It ends with Obs").ids
-    sequence = DetokSequence("s", new_detokenizer(smollm2_decoding, True), StopStringMatcher(["Observation:"]))
+    sequence = DetokSequence("s", new_detokenizer(smollm2_decoding, True), StopStringMatcher(["Observation:"]),
+                             renderer_for(smollm2_decoding))
     emitted = "".join(sequence.feed([i]) for i in ids)
     assert emitted == "It ends with "
     assert sequence.finish() == "Obs"
@@ -186,7 +189,8 @@ def test_sequence_against_reference(smollm2: Tokenizer, smollm2_decoding: Tokeni
                                          st.integers(1, 6)), min_size=1, max_size=3))
     include = data.draw(st.booleans())
     chunks = data.draw(st.lists(st.integers(1, 4), max_size=len(ids)))
-    sequence = DetokSequence("s", new_detokenizer(smollm2_decoding, True), StopStringMatcher(stops, include))
+    sequence = DetokSequence("s", new_detokenizer(smollm2_decoding, True), StopStringMatcher(stops, include),
+                             renderer_for(smollm2_decoding))
     emitted = ""
     start = 0
     for size in [*chunks, len(ids)]:
@@ -201,3 +205,21 @@ def test_sequence_against_reference(smollm2: Tokenizer, smollm2_decoding: Tokeni
     assert emitted == text[:end_char if include else start_char]
     if index >= 0:
         assert sequence.num_tokens_to_stop == first_tokens_reaching_stop(smollm2, ids, stops)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet="abc\n<", max_size=12),
+    stops=st.lists(st.text(alphabet="abc\n<", min_size=1, max_size=4), min_size=1, max_size=3),
+)
+def test_could_start_never_misses_work_for_push(text: str, stops: list[str]) -> None:
+    """The frame loop skips push() for text could_start finds nothing in (nothing held): then
+    push would have returned the text unchanged, with no hit and nothing held."""
+    matcher = StopStringMatcher(stops)
+    pushed = matcher.push(text)
+    if not StopStringMatcher(stops).could_start(text):
+        assert pushed == (text, -1, 0)
+        assert matcher.held_text == ""
+    # Not vacuous: some cases skip push, some need it.
+    assert StopStringMatcher(["\n\nX"]).could_start("a\nb") is False
+    assert StopStringMatcher(["\n\nX"]).could_start("a\n") is True

@@ -1,0 +1,140 @@
+"""Detok throughput through gRPC: a real detok worker process, one client process, loopback.
+
+Sits beside the detok worker, not in it: starts `python -m detok_worker` on a free port and
+streams the frames a model worker's decode steps would cause (256 interleaved sequences, k
+tokens each per frame, 2 stop strings each) over one Detokenize stream, writing and reading
+concurrently; checks every text against tokenizer.decode and reports tokens/s end to end
+(wall clock) and per CPU-second of the worker process.
+
+    .venv/bin/python bench/bench_detok_grpc.py --sequences 256 --tokens 128 --tokens-per-frame 1,4,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+# Run as a script (`python bench/bench_detok_grpc.py`), sys.path[0] is bench/; the packages
+# sit one level up and need not be pip-installed.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from bench.bench_detok import STOPS, corpus_ids, sequences_ids  # noqa: E402
+from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
+from tokenwire.grpc_server import CHANNEL_OPTIONS  # noqa: E402
+from tokenwire.packing import pack_int32  # noqa: E402
+from tokenwire.stack import ServiceProcess, free_port, spawn, wait_grpc_serving  # noqa: E402
+from tokenwire.tokenizer_files import tokenizer_identity  # noqa: E402
+from tokenwire.v1 import common_pb2, detok_worker_pb2_grpc  # noqa: E402
+from tokenwire.v1 import detok_worker_pb2 as pb  # noqa: E402
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process from /proc (Linux), so the worker's CPU per token can be told
+    apart from the client's on a shared machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def build_frames(identity: common_pb2.TokenizerIdentity, seqs: list[list[int]], run: int,
+                 tokens_per_frame: int) -> tuple[pb.DetokenizeFrame, list[pb.DetokenizeFrame], list[str]]:
+    names = [f"run{run}-seq{i}" for i in range(len(seqs))]
+    opens = pb.DetokenizeFrame(opens=[
+        pb.OpenSequence(sequence_id=name, tokenizer=identity, skip_special_tokens=True, stop=STOPS) for name in names])
+    num_tokens = len(seqs[0])
+    frames = []
+    for start in range(0, num_tokens, tokens_per_frame):
+        end = min(start + tokens_per_frame, num_tokens)
+        frames.append(pb.DetokenizeFrame(tokens=[
+            pb.SequenceTokenIds(sequence_id=name, token_ids=pack_int32(ids[start:end]), finished=end == num_tokens)
+            for name, ids in zip(names, seqs, strict=True)]))
+    return opens, frames, names
+
+
+async def stream_frames(address: str, opens: pb.DetokenizeFrame, frames: list[pb.DetokenizeFrame],
+                        names: list[str]) -> tuple[float, dict[str, str]]:
+    """Seconds from the first token frame written to the last reply read, and the texts."""
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = detok_worker_pb2_grpc.DetokenizerStub(channel).Detokenize()
+        await call.write(opens)
+        await call.read()
+        texts = dict.fromkeys(names, "")
+
+        async def write_all() -> None:
+            for frame in frames:
+                await call.write(frame)
+            await call.done_writing()
+
+        began = time.perf_counter()
+        writer = asyncio.create_task(write_all())
+        for _ in frames:
+            reply = await call.read()
+            for delta in reply.deltas:
+                assert not delta.error, delta.error
+                texts[delta.sequence_id] += delta.text
+        seconds = time.perf_counter() - began
+        await writer
+        return seconds, texts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="'default' (SmolLM2) or a model directory")
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "tokenwire")
+    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=128, help="generated tokens per sequence")
+    parser.add_argument("--tokens-per-frame", default="1,4,16", help="comma-separated: tokens per sequence per frame")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from tokenizers import Tokenizer
+
+    model_dir = resolve_model_dir(args.model, args.cache_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    identity = tokenizer_identity(model_dir)
+    seqs = sequences_ids(corpus_ids(tokenizer), args.sequences, args.tokens)
+    expected = [tokenizer.decode(ids, skip_special_tokens=True) for ids in seqs]
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    worker: ServiceProcess = spawn("detok worker", "detok_worker", ["--host", "127.0.0.1", "--port", str(port),
+                                                                     "--log-level", "warning"],
+                                   env={"PYTHONPATH": str(REPO_ROOT)})
+    try:
+        wait_grpc_serving(worker, address, timeout_s=60)
+        # Warm up: the worker loads the tokenizer and builds its byte tables on the first open.
+        opens, frames, names = build_frames(identity, seqs[:2], -1, 4)
+        asyncio.run(stream_frames(address, opens, frames, names))
+        num_tokens = args.sequences * args.tokens
+        print(f"SmolLM2 tokenizer, {args.sequences} sequences x {args.tokens} tokens, stops {STOPS!r}; "
+              f"detok worker pid {worker.process.pid} on {address}; best of {args.repeats}")
+        print(f"{'tok/seq/frame':>13} {'frames':>7} {'wall s':>8} {'tokens/s (wall)':>16} "
+              f"{'worker CPU s':>13} {'tokens/worker-CPU-s':>20}")
+        run = 0
+        for tokens_per_frame in (int(k) for k in args.tokens_per_frame.split(",")):
+            best: tuple[float, float] | None = None
+            for _ in range(args.repeats):
+                opens, frames, names = build_frames(identity, seqs, run, tokens_per_frame)
+                run += 1
+                cpu_before = process_cpu_seconds(worker.process.pid)
+                seconds, texts = asyncio.run(stream_frames(address, opens, frames, names))
+                cpu = process_cpu_seconds(worker.process.pid) - cpu_before
+                assert [texts[name] for name in names] == expected, "gRPC detok output differs from tokenizer.decode"
+                if best is None or seconds < best[0]:
+                    best = (seconds, cpu)
+            assert best is not None
+            seconds, cpu = best
+            print(f"{tokens_per_frame:>13} {len(frames):>7} {seconds:>8.3f} {num_tokens / seconds:>16,.0f} "
+                  f"{cpu:>13.3f} {num_tokens / max(cpu, 1e-9):>20,.0f}")
+    finally:
+        worker.stop(timeout_s=10)
+
+
+if __name__ == "__main__":
+    main()
