@@ -18,8 +18,12 @@ from tokenwire.config_cli import parse_config
 def main() -> None:
     config = parse_config(Config, env_prefix="TOKENWIRE_GATEWAY_")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # On SIGTERM uvicorn stops accepting, lets open requests (streams included) finish for up to
+    # drain_grace_s, then runs the lifespan's shutdown.
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=config.drain_grace_s,
+                access_log=False,  # gateway.access logs each request with latency and token counts
+                ssl_certfile=config.tls_cert_file or None, ssl_keyfile=config.tls_key_file or None)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI routes over the Pipeline, JSON or server-sent events out.
 
 __main__ serves create_app(config) with uvicorn; the lifespan connects the worker streams
-before the first request and closes them at shutdown.
+before the first request and closes them at shutdown. Health, readiness, metrics and the
+tokenizer endpoints live in ops_routes.py.
 """
 
 from __future__ import annotations
@@ -11,23 +12,36 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from gateway.config import Config
-from gateway.errors import APIError, install_error_handlers, workers_unavailable
-from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.errors import install_error_handlers
+from gateway.http_middleware import GatewayHTTPMiddleware, access_record
+from gateway.metrics import GatewayMetrics, RequestTimer, metered
+from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
+from gateway.openai_responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from gateway.ops_routes import ops_router, pipeline_for, renderer_of, tokenizer_of
 from gateway.pipeline import Pipeline
-from gateway.prompt_tokenizer import PromptTokenizer
+from gateway.request_limits import check_request_limits, with_deadline
 from gateway.request_mapping import (
     GenerationParams,
-    chat_messages,
-    chat_params,
+    chat_messages_of,
     check_context_length,
+    check_params_vocab,
     check_token_ids,
-    completion_params,
-    completion_prompt,
+    generation_params,
 )
 from gateway.request_state import GenerationEvent
 from gateway.responses import (
@@ -35,17 +49,37 @@ from gateway.responses import (
     ChoiceEvents,
     ChoiceOutput,
     CompletionResponder,
+    PromptEcho,
     Responder,
     sse_stream,
 )
 
 logger = logging.getLogger(__name__)
 
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Bad parameters, or a prompt longer than the context"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key (when keys are configured)"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    429: {"model": ErrorResponse, "description": "The model worker's queue is full; see Retry-After",
+          "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}},
+    503: {"model": ErrorResponse, "description": "A worker is unavailable"},
+}
+
+
+def _generation_responses(full: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": full, "description": f"JSON, or with stream=true server-sent events: `data:` lines "
+                                                f"of {chunk.__name__} (an error object if the stream fails "
+                                                f"after it started), then `data: [DONE]`",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **ERROR_RESPONSES}
+
 
 def create_app(config: Config) -> FastAPI:
+    metrics = GatewayMetrics()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pipeline = await Pipeline.connect(config)
+        pipeline = await Pipeline.connect(config, metrics)
         app.state.pipeline = pipeline
         app.state.served_model_name = config.served_model_name or pipeline.model_info.model_id
         app.state.created = int(time.time())
@@ -55,70 +89,79 @@ def create_app(config: Config) -> FastAPI:
         finally:
             await pipeline.close()
 
-    app = FastAPI(title="tokenwire gateway", lifespan=lifespan)
+    app = FastAPI(title="tokenwire gateway", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible chat completions and completions over tokenwire's workers.")
+    app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(GatewayHTTPMiddleware, api_keys=config.api_key, max_body_bytes=config.limits.max_body_bytes)
+    app.state.limits = config.limits
+    if config.cors_allow_origins:
+        # Added last, so it is outermost: preflights are answered before the API key check.
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_allow_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id", "retry-after"])
+    app.include_router(ops_router(ERROR_RESPONSES))
 
-    @app.get("/health")
-    async def health(request: Request) -> Response:
-        pipeline: Pipeline = request.app.state.pipeline
-        if not pipeline.ready:
-            raise workers_unavailable("a worker stream is down; reconnecting")
-        return JSONResponse({"status": "ok", "live_requests": pipeline.num_live_requests})
-
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def list_models(request: Request) -> ModelList:
         pipeline: Pipeline = request.app.state.pipeline
         return ModelList(data=[ModelCard(id=request.app.state.served_model_name, created=request.app.state.created,
                                          max_model_len=pipeline.model_info.max_model_len)])
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=_generation_responses(ChatCompletion, ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        pipeline = _pipeline_for(request, body.model)
-        tokenizer = _tokenizer(pipeline)
-        prompt_ids = tokenizer.encode_chat(chat_messages(body))
-        responder = ChatResponder(body.model, tokenizer, body.logprobs)
-        return await _respond(request, pipeline, prompt_ids, chat_params(body), body.n, body.stream,
-                              body.include_usage, responder)
+        check_request_limits(body, request.app.state.limits)
+        pipeline = pipeline_for(request, body.model)
+        tokenizer = tokenizer_of(pipeline)
+        prompt_ids = tokenizer.encode_chat(chat_messages_of(body.messages))
+        params = generation_params(body, tokenizer.encode_words)
+        check_params_vocab(params, pipeline.model_info.vocab_size)
+        responder = ChatResponder(body.model, renderer_of(pipeline), body.logprobs, body.include_usage,
+                                  prompt_ids)
+        responder.continuous_usage = body.continuous_usage
+        return await _respond(request, pipeline, [prompt_ids], params, body.stream, responder, "messages")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=_generation_responses(Completion, Completion))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        pipeline = _pipeline_for(request, body.model)
-        tokenizer = _tokenizer(pipeline)
-        prompt = completion_prompt(body)
-        if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode_text(prompt)
-        else:
-            prompt_ids = prompt
-        check_token_ids(prompt_ids, pipeline.model_info.vocab_size)
-        responder = CompletionResponder(body.model, tokenizer, body.logprobs is not None, body.n)
-        return await _respond(request, pipeline, prompt_ids, completion_params(body), body.n, body.stream,
-                              body.include_usage, responder)
+        check_request_limits(body, request.app.state.limits)
+        pipeline = pipeline_for(request, body.model)
+        tokenizer = tokenizer_of(pipeline)
+        echoes = []
+        for prompt in body.prompts():
+            ids = tokenizer.encode_text(prompt) if isinstance(prompt, str) else prompt
+            check_token_ids(ids, pipeline.model_info.vocab_size)
+            # Echo shows a text prompt as sent, and token ids as the tokenizer reads them.
+            echoes.append(PromptEcho(prompt if isinstance(prompt, str) else tokenizer.decode(ids), ids))
+        params = generation_params(body, tokenizer.encode_words)
+        check_params_vocab(params, pipeline.model_info.vocab_size)
+        responder = CompletionResponder(body.model, renderer_of(pipeline), body.logprobs is not None, echoes,
+                                        n=body.n, echo=body.echo, include_usage=body.include_usage)
+        responder.continuous_usage = body.continuous_usage
+        return await _respond(request, pipeline, [e.token_ids for e in echoes], params, body.stream, responder,
+                              "prompt")
 
     return app
 
 
-def _pipeline_for(request: Request, model: str) -> Pipeline:
-    served = request.app.state.served_model_name
-    if model != served:
-        raise APIError(404, f"The model `{model}` does not exist. This gateway serves `{served}`.",
-                       param="model", code="model_not_found")
-    return request.app.state.pipeline
-
-
-def _tokenizer(pipeline: Pipeline) -> PromptTokenizer:
-    assert pipeline.tokenizer is not None, "the lifespan loads it before serving"
-    return pipeline.tokenizer
-
-
-async def _respond(request: Request, pipeline: Pipeline, prompt_ids: Sequence[int], params: GenerationParams,
-                   n: int, stream: bool, include_usage: bool, responder: Responder) -> Response:
-    check_context_length(len(prompt_ids), params.max_tokens, pipeline.model_info.max_model_len)
-    events = _merge_choices([pipeline.generate(prompt_ids, params.for_choice(i)) for i in range(n)])
+async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Sequence[int]], params: GenerationParams,
+                   stream: bool, responder: Responder, prompt_param: str) -> Response:
+    for prompt_ids in prompts:
+        check_context_length(len(prompt_ids), params.max_tokens, pipeline.model_info.max_model_len, prompt_param)
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    num_choices = len(prompts) * params.n
+    access = access_record(request.scope)
+    timer = RequestTimer(request.app.state.metrics, num_prompt_tokens, access=access)
+    if access is not None:
+        timer.started = access.started  # latencies count from the request's arrival, as vLLM's do
+    events = metered(_merge_prompts([pipeline.generate(p, params) for p in prompts], params.n), timer)
+    events = with_deadline(events, request.app.state.limits.request_timeout_s)
     if not stream:
-        outputs = await _collect_unless_disconnected(request, events, n)
+        outputs = await _collect_unless_disconnected(request, events, num_choices)
         if outputs is None:
             return Response(status_code=499)  # nobody is listening any more
-        return JSONResponse(responder.response(outputs, len(prompt_ids)).model_dump())
+        for index, output in enumerate(outputs):
+            await responder.prepare(index, output.as_event())
+        return JSONResponse(responder.response(outputs, num_prompt_tokens).model_dump())
     # The first event is awaited before the headers go out, so a refusal by the model worker
     # (429, 400) still gets its own HTTP status instead of an error event in a 200 stream.
     try:
@@ -126,41 +169,43 @@ async def _respond(request: Request, pipeline: Pipeline, prompt_ids: Sequence[in
     except BaseException:
         await events.aclose()
         raise
-    return StreamingResponse(sse_stream(first, events, responder, n, include_usage, len(prompt_ids)),
+    return StreamingResponse(sse_stream(first, events, responder, num_choices, num_prompt_tokens),
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _merge_choices(choices: list[AsyncGenerator[GenerationEvent, None]]) -> ChoiceEvents:
-    """(choice index, event) pairs from n choices in arrival order; closing it aborts them all."""
-    if len(choices) == 1:
-        async with aclosing(choices[0]) as only:
-            async for event in only:
-                yield 0, event
+async def _merge_prompts(prompts: list[AsyncGenerator[tuple[int, GenerationEvent], None]], n: int) -> ChoiceEvents:
+    """(choice index, event) pairs of every prompt's n choices in arrival order, choice
+    prompt * n + index as OpenAI numbers a batch; closing it aborts them all."""
+    if len(prompts) == 1:
+        async with aclosing(prompts[0]) as only:
+            async for pair in only:
+                yield pair
         return
-    merged: asyncio.Queue[tuple[int, GenerationEvent | BaseException | None]] = asyncio.Queue()
+    merged: asyncio.Queue[tuple[int, GenerationEvent] | BaseException | None] = asyncio.Queue()
 
-    async def pump(index: int, choice: AsyncIterator[GenerationEvent]) -> None:
+    async def pump(offset: int, choices: AsyncGenerator[tuple[int, GenerationEvent], None]) -> None:
         try:
-            async for event in choice:
-                merged.put_nowait((index, event))
-            merged.put_nowait((index, None))
+            async with aclosing(choices):
+                async for index, event in choices:
+                    merged.put_nowait((offset + index, event))
+            merged.put_nowait(None)
         except Exception as exc:
-            merged.put_nowait((index, exc))
+            merged.put_nowait(exc)
 
-    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+    tasks = [asyncio.create_task(pump(i * n, p)) for i, p in enumerate(prompts)]
     try:
         running = len(tasks)
         while running:
-            index, item = await merged.get()
+            item = await merged.get()
             if item is None:
                 running -= 1
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield index, item
+                yield item
     finally:
         for task in tasks:
-            task.cancel()  # each choice's generator aborts its request as it unwinds
+            task.cancel()  # each prompt's generator aborts its request as it unwinds
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
@@ -171,9 +216,10 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect_unless_disconnected(request: Request, events: ChoiceEvents, n: int) -> list[ChoiceOutput] | None:
+async def _collect_unless_disconnected(request: Request, events: ChoiceEvents,
+                                       num_choices: int) -> list[ChoiceOutput] | None:
     """Every choice's full output, or None when the client left first (its requests are aborted)."""
-    outputs = [ChoiceOutput() for _ in range(n)]
+    outputs = [ChoiceOutput() for _ in range(num_choices)]
 
     async def collect() -> None:
         async with aclosing(events):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.request_limits import RequestLimits
+from tokenwire.grpc_tls import client_tls
+
 
 @dataclass
 class Config:
@@ -19,8 +22,44 @@ class Config:
     startup_timeout_s: float = field(default=300.0, metadata={
         "help": "how long to wait for the workers at start"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+    api_key: list[str] = field(default_factory=list, metadata={
+        "help": "API keys clients must send (Authorization: Bearer KEY), comma-separated; empty: no check"})
+    cors_allow_origins: list[str] = field(default_factory=list, metadata={
+        "help": "origins browsers may call from, comma-separated ('*' for any); empty: no CORS headers"})
+    worker_tls_ca_file: str = field(default="", metadata={
+        "help": "PEM CA bundle that signed the workers' certificates; set: gRPC to the workers uses TLS"})
+    worker_tls_cert_file: str = field(default="", metadata={
+        "help": "PEM client certificate for workers that require mTLS (with --worker-tls-key-file)"})
+    worker_tls_key_file: str = field(default="", metadata={"help": "PEM private key of --worker-tls-cert-file"})
+    worker_tls_server_name: str = field(default="", metadata={
+        "help": "name to expect in the workers' certificates when their addresses are IPs"})
+    tls_cert_file: str = field(default="", metadata={"help": "PEM certificate; with --tls-key-file serves HTTPS"})
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of --tls-cert-file"})
+    drain_grace_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM: seconds open requests get to finish before the gateway exits"})
+    request_timeout_s: float = field(default=600.0, metadata={
+        "help": "a request still running after this many seconds is aborted with a 504 (or a final SSE error "
+                "event); 0: no limit"})
+    max_body_bytes: int = field(default=8 << 20, metadata={"help": "larger request bodies get a 413"})
+    max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request"})
+    max_stop_string_chars: int = field(default=512, metadata={"help": "longest stop string, in characters"})
+    max_logit_bias_entries: int = field(default=1024, metadata={"help": "most logit_bias entries per request"})
+    max_bad_words: int = field(default=256, metadata={"help": "most bad_words per request"})
+    max_token_id_list: int = field(default=8192, metadata={
+        "help": "most entries in allowed_token_ids or stop_token_ids"})
 
     def __post_init__(self) -> None:
+        self.limits = RequestLimits(self.max_body_bytes, self.max_stop_strings, self.max_stop_string_chars,
+                                    self.max_logit_bias_entries, self.max_bad_words, self.max_token_id_list,
+                                    self.request_timeout_s)
+        if self.request_timeout_s < 0 or min(self.max_body_bytes, self.max_stop_strings, self.max_stop_string_chars,
+                                             self.max_logit_bias_entries, self.max_bad_words,
+                                             self.max_token_id_list) < 1:
+            raise ValueError("--request-timeout-s must be >= 0 and every --max-* limit >= 1")
+        self.worker_tls = client_tls(self.worker_tls_ca_file, self.worker_tls_cert_file,
+                                     self.worker_tls_key_file, self.worker_tls_server_name)
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("--tls-cert-file and --tls-key-file go together")
         if not self.detok_workers:
             raise ValueError("--detok-workers needs at least one address")
         if not 0 <= self.port < 65536:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from gateway.frame_stream import FrameStream
+from gateway.worker_health import WatchedFrameStream, WorkerHealth
 from tokenwire.v1 import detok_worker_pb2, detok_worker_pb2_grpc
 
 
@@ -26,13 +27,16 @@ class DetokClient:
         self._tokens: dict[str, detok_worker_pb2.SequenceTokenIds] = {}
         self._closes: list[str] = []
         self._on_lost = on_lost
-        self.stream: FrameStream[detok_worker_pb2.DetokenizeFrame, detok_worker_pb2.TextDeltaFrame] = FrameStream(
-            f"detok worker {address}", channel, self._stub.Detokenize, self._take_frame,
-            lambda frame: on_frame(index, frame), self._lost)
+        self.health = WorkerHealth(f"detok worker {address}", channel)
+        self.stream: FrameStream[detok_worker_pb2.DetokenizeFrame, detok_worker_pb2.TextDeltaFrame] = \
+            WatchedFrameStream(self.health, f"detok worker {address}", channel, self._stub.Detokenize,
+                               self._take_frame, lambda frame: on_frame(index, frame), self._lost)
 
     @property
     def connected(self) -> bool:
-        return self.stream.connected
+        """The stream is up and the replica takes new sequences (not draining); the pipeline
+        places new sequences only on connected replicas."""
+        return self.stream.connected and self.health.serving
 
     def send(self, opens: Iterable[detok_worker_pb2.OpenSequence],
              tokens: Iterable[detok_worker_pb2.SequenceTokenIds]) -> None:
@@ -45,8 +49,14 @@ class DetokClient:
             else:
                 # Two TokenFrames arrived while a write was in flight: one entry per sequence.
                 queued.token_ids += entry.token_ids
+                queued.render_token_ids += entry.render_token_ids
                 queued.finished = queued.finished or entry.finished
         self.stream.wake()
+
+    async def render_tokens(self, request: detok_worker_pb2.RenderTokensRequest,
+                            timeout_s: float = 10.0) -> detok_worker_pb2.RenderedTokens:
+        """Token strings and bytes for logprobs (prompt tokens, echo); raises grpc.aio.AioRpcError."""
+        return await self._stub.RenderTokens(request, timeout=timeout_s)
 
     def close_sequence(self, sequence_id: str) -> None:
         if self._opens.pop(sequence_id, None) is not None:

@@ -26,6 +26,7 @@ _GRPC_CODE_TO_HTTP = {
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # OpenAI's type for a bad key, with code invalid_api_key
     404: "not_found_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
@@ -36,13 +37,14 @@ class APIError(Exception):
     """A failure with the HTTP status and OpenAI error fields the client should see."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 error_type: str | None = None) -> None:
+                 error_type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.error_type = error_type or _TYPE_BY_STATUS.get(status, "internal_server_error")
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param,
@@ -56,24 +58,43 @@ def invalid_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+# Seconds a client told "queue full" should wait; the queue drains in about this long under load.
+RETRY_AFTER_S = 1
+_RESOURCE_EXHAUSTED = 8
+
+
 def from_grpc_code(code: int, message: str) -> APIError:
     """The APIError for a request the model worker refused with RequestError{code, message}."""
-    return APIError(_GRPC_CODE_TO_HTTP.get(code, 500), message or f"model worker error (gRPC code {code})")
+    message = message or f"model worker error (gRPC code {code})"
+    if code == _RESOURCE_EXHAUSTED:
+        return queue_full(message)
+    return APIError(_GRPC_CODE_TO_HTTP.get(code, 500), message)
+
+
+def queue_full(message: str) -> APIError:
+    return APIError(429, message, code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def invalid_api_key() -> APIError:
+    return APIError(401, "Incorrect or missing API key. Send it as `Authorization: Bearer <key>`.",
+                    code="invalid_api_key")
 
 
 def workers_unavailable(message: str) -> APIError:
     return APIError(503, message, code="workers_unavailable")
 
 
-def context_length_exceeded(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> APIError:
+def context_length_exceeded(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None,
+                            param: str = "messages") -> APIError:
+    what = "messages" if param == "messages" else "prompt"
     if max_tokens is None:
         message = (f"This model's maximum context length is {max_model_len} tokens. However, your "
-                   f"messages resulted in {num_prompt_tokens} tokens. Please reduce the length of the messages.")
+                   f"{what} resulted in {num_prompt_tokens} tokens. Please reduce the length of the {what}.")
     else:
         message = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                   f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
-                   f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")
-    return APIError(400, message, param="messages", code="context_length_exceeded")
+                   f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {what}, "
+                   f"{max_tokens} in the completion). Please reduce the length of the {what} or completion.")
+    return APIError(400, message, param=param, code="context_length_exceeded")
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -98,7 +119,7 @@ def error_sse_event(error: APIError) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
         # OpenAI answers bad parameters with 400, never FastAPI's 422.

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import grpc
 
 from gateway.frame_stream import FrameStream
+from gateway.worker_health import WatchedFrameStream, WorkerHealth
 from tokenwire.v1 import model_worker_pb2, model_worker_pb2_grpc
 
 
@@ -25,12 +26,14 @@ class ModelWorkerClient:
         self._adds: dict[str, model_worker_pb2.AddRequest] = {}
         self._aborts: list[str] = []
         self._on_lost = on_lost
-        self.stream: FrameStream[model_worker_pb2.RequestFrame, model_worker_pb2.TokenFrame] = FrameStream(
-            "model worker", channel, self._stub.Generate, self._take_frame, on_frame, self._lost)
+        self.health = WorkerHealth("model worker", channel)
+        self.stream: FrameStream[model_worker_pb2.RequestFrame, model_worker_pb2.TokenFrame] = WatchedFrameStream(
+            self.health, "model worker", channel, self._stub.Generate, self._take_frame, on_frame, self._lost)
 
     @property
     def connected(self) -> bool:
-        return self.stream.connected
+        """The stream is up and the worker takes new requests (not draining)."""
+        return self.stream.connected and self.health.serving
 
     async def get_model_info(self, timeout_s: float) -> model_worker_pb2.ModelInfo:
         """Retries until the worker answers (it may still be loading weights) or timeout_s passes."""
@@ -44,6 +47,11 @@ class ModelWorkerClient:
                 if time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(0.5)
+
+    async def get_load(self, timeout_s: float = 2.0) -> model_worker_pb2.WorkerLoad:
+        """Queue and KV occupancy now; raises grpc.aio.AioRpcError (DEADLINE_EXCEEDED,
+        UNAVAILABLE, UNIMPLEMENTED on a worker without it) rather than waiting on a dead worker."""
+        return await self._stub.GetLoad(model_worker_pb2.GetLoadRequest(), timeout=timeout_s)
 
     def add(self, add: model_worker_pb2.AddRequest) -> None:
         self._adds[add.request_id] = add

@@ -1,8 +1,8 @@
 """Per-request orchestration: prompt ids → model worker → detok worker → GenerationEvents.
 
-app.py calls Pipeline.generate for each choice; the model worker's reader forwards every
-TokenFrame in bulk (one DetokenizeFrame per detok replica) and the detok readers push the text
-deltas into the per-request queues that generate() drains.
+app.py calls Pipeline.generate once per prompt (all n choices in one request); the model
+worker's reader forwards every TokenFrame in bulk (one DetokenizeFrame per detok replica) and
+the detok readers push the text deltas into the per-request queues that generate() drains.
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ import grpc
 from gateway.config import Config
 from gateway.detok_client import DetokClient
 from gateway.errors import APIError, from_grpc_code, workers_unavailable
+from gateway.metrics import GatewayMetrics
 from gateway.model_worker_client import ModelWorkerClient
 from gateway.prompt_tokenizer import PromptTokenizer
 from gateway.request_mapping import GenerationParams, add_request, open_sequence
-from gateway.request_state import GenerationEvent, RequestState
+from gateway.request_state import GenerationEvent, RequestState, prompt_logprobs_of
+from gateway.token_rendering import DetokRenderer, TokenRenderer
 from tokenwire.grpc_server import CHANNEL_OPTIONS
+from tokenwire.grpc_tls import aio_channel
+from tokenwire.packing import pack_int32, unpack_int32
 from tokenwire.v1 import detok_worker_pb2, model_worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -31,33 +35,41 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _LiveRequest:
-    state: RequestState
+    request_id: str
+    # One per output index (n of them); state.request_id is the output's detok sequence id.
+    states: list[RequestState]
     params: GenerationParams
     prompt_token_ids: Sequence[int]
     detok: DetokClient
-    events: asyncio.Queue[GenerationEvent | APIError]
+    events: asyncio.Queue[tuple[int, GenerationEvent] | APIError]
+    # Every output has its finish_reason from the model worker (or the worker dropped it).
+    model_finished: bool = False
 
 
 class Pipeline:
     """Owns the worker streams and the table of live requests both readers dispatch into."""
 
     def __init__(self, config: Config, model_channel: grpc.aio.Channel,
-                 detok_channels: Sequence[grpc.aio.Channel]) -> None:
+                 detok_channels: Sequence[grpc.aio.Channel], metrics: GatewayMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics
         self._channels = [model_channel, *detok_channels]
         self.model = ModelWorkerClient(model_channel, self._on_token_frame, self._on_model_lost)
         self.detoks = [DetokClient(i, address, channel, self._on_text_delta_frame, self._on_detok_lost)
                        for i, (address, channel) in enumerate(zip(config.detok_workers, detok_channels, strict=True))]
         self._live: dict[str, _LiveRequest] = {}
+        # detok sequence id -> (request, output index)
+        self._sequences: dict[str, tuple[_LiveRequest, int]] = {}
         self.model_info = model_worker_pb2.ModelInfo()
         self.tokenizer: PromptTokenizer | None = None
+        self.renderer: TokenRenderer | None = None
 
     @classmethod
-    async def connect(cls, config: Config) -> Pipeline:
+    async def connect(cls, config: Config, metrics: GatewayMetrics | None = None) -> Pipeline:
         """Waits (up to config.startup_timeout_s) for both kinds of worker, then opens the streams."""
-        model_channel = grpc.aio.insecure_channel(config.model_worker, options=CHANNEL_OPTIONS)
-        detok_channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in config.detok_workers]
-        pipeline = cls(config, model_channel, detok_channels)
+        model_channel = aio_channel(config.model_worker, config.worker_tls, CHANNEL_OPTIONS)
+        detok_channels = [aio_channel(a, config.worker_tls, CHANNEL_OPTIONS) for a in config.detok_workers]
+        pipeline = cls(config, model_channel, detok_channels, metrics)
         try:
             await pipeline._start()
         except BaseException:
@@ -72,6 +84,9 @@ class Pipeline:
                     self.model_info.max_model_len)
         self.tokenizer = await asyncio.to_thread(
             PromptTokenizer.load, self.model_info.tokenizer, self.model_info.chat_template)
+        # Logprob tokens as the detok worker renders them; LocalRenderer(self.tokenizer) is the
+        # in-gateway fallback with the same convention.
+        self.renderer = DetokRenderer(self._render_tokens)
         for client in [self.model, *self.detoks]:
             await client.stream.start(max(deadline - time.monotonic(), 1.0))
 
@@ -90,33 +105,52 @@ class Pipeline:
         return len(self._live)
 
     async def generate(self, prompt_token_ids: Sequence[int],
-                       params: GenerationParams) -> AsyncIterator[GenerationEvent]:
-        """Events of one choice until its finish_reason; raises APIError when it fails.
+                       params: GenerationParams) -> AsyncIterator[tuple[int, GenerationEvent]]:
+        """(output index, event) pairs of one prompt's n choices, in arrival order, until every
+        choice has its finish_reason; raises APIError when the request fails.
 
-        Leaving early (client gone, task cancelled) aborts it on the model worker and closes
-        its detok sequence.
+        One AddRequest asks the model worker for all n outputs (they share the prompt's KV
+        cache); SequenceTokens.index says which output each token run belongs to, and each
+        output is its own detok sequence. Leaving early (client gone, task cancelled) aborts the
+        request on the model worker and closes its detok sequences.
         """
         if not self.model.connected:
             raise workers_unavailable("the model worker is not connected")
         detok = self._pick_detok()
         request_id = uuid.uuid4().hex
-        request = _LiveRequest(RequestState(request_id, len(prompt_token_ids)), params, prompt_token_ids,
-                               detok, asyncio.Queue())
+        states = [RequestState(f"{request_id}-{i}", len(prompt_token_ids)) for i in range(params.n)]
+        request = _LiveRequest(request_id, states, params, prompt_token_ids, detok, asyncio.Queue())
         self._live[request_id] = request
-        detok.num_open_sequences += 1
+        for index, state in enumerate(states):
+            self._sequences[state.request_id] = (request, index)
+        detok.num_open_sequences += len(states)
         self.model.add(add_request(request_id, prompt_token_ids, params))
         try:
-            while True:
+            num_finished = 0
+            while num_finished < len(states):
                 item = await request.events.get()
                 if isinstance(item, APIError):
                     raise item
                 yield item
-                if item.finish_reason is not None:
-                    return
+                if item[1].finish_reason is not None:
+                    num_finished += 1
         finally:
-            if self._live.pop(request_id, None) is not None:
-                self._abort(request)
-            detok.num_open_sequences -= 1
+            if self._live.get(request_id) is request:
+                self._end(request)
+            detok.num_open_sequences -= len(states)
+
+    async def _render_tokens(self, token_ids: Sequence[int]) -> detok_worker_pb2.RenderedTokens:
+        request = detok_worker_pb2.RenderTokensRequest(tokenizer=self.model_info.tokenizer,
+                                                       token_ids=pack_int32(token_ids))
+        detok = self._pick_detok()
+        try:
+            return await detok.render_tokens(request)
+        except grpc.aio.AioRpcError as exc:
+            if self.metrics is not None:
+                self.metrics.detok_rpc_errors.labels(worker=detok.address, rpc="RenderTokens").inc()
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise APIError(400, f"cannot render tokens: {exc.details()}") from exc
+            raise workers_unavailable(f"detok worker RenderTokens failed: {exc.code().name}") from exc
 
     def _pick_detok(self) -> DetokClient:
         connected = [d for d in self.detoks if d.connected]
@@ -124,16 +158,18 @@ class Pipeline:
             raise workers_unavailable("no detok worker is connected")
         return min(connected, key=lambda d: d.num_open_sequences)
 
-    def _abort(self, request: _LiveRequest) -> None:
-        """Stops a request the client no longer wants, on both workers."""
-        state = request.state
-        if not state.model_finished:
-            self.model.abort(state.request_id)
-        if state.detok_opened and not state.finished:
-            request.detok.close_sequence(state.request_id)
+    def _end(self, request: _LiveRequest) -> None:
+        """Forgets a request and stops what is still running of it on both workers."""
+        self._live.pop(request.request_id, None)
+        for state in request.states:
+            self._sequences.pop(state.request_id, None)
+            if state.detok_opened and not state.finished:
+                request.detok.close_sequence(state.request_id)
+        if not request.model_finished:
+            self.model.abort(request.request_id)
 
     def _fail(self, request: _LiveRequest, error: APIError) -> None:
-        self._live.pop(request.state.request_id, None)
+        self._end(request)
         request.events.put_nowait(error)
 
     # ---- reader callbacks: run on the event loop, never await ----
@@ -145,19 +181,29 @@ class Pipeline:
         for seq in frame.sequences:
             request = self._live.get(seq.request_id)
             if request is None:
-                continue  # aborted or ended by a stop string; the worker has not heard yet
-            state = request.state
+                continue  # aborted or ended by stop strings; the worker has not heard yet
             if seq.finish_reason in (model_worker_pb2.FINISH_REASON_ERROR, model_worker_pb2.FINISH_REASON_ABORT):
-                state.model_finish_reason = seq.finish_reason
-                if state.detok_opened:
-                    request.detok.close_sequence(state.request_id)
+                request.model_finished = True
                 if seq.finish_reason == model_worker_pb2.FINISH_REASON_ERROR:
                     error = from_grpc_code(seq.error.code, seq.error.message)
                 else:
                     error = workers_unavailable("the model worker aborted the request")
                 self._fail(request, error)
                 continue
+            if not 0 <= seq.index < len(request.states):
+                request.model_finished = True  # a worker this confused is not asked to abort
+                self._fail(request, APIError(502, f"the model worker sent output {seq.index} of a request "
+                                                  f"for {len(request.states)}"))
+                continue
+            if seq.prompt_logprobs:
+                prompt_logprobs = prompt_logprobs_of(seq)
+                for state in request.states:
+                    state.prompt_logprobs = prompt_logprobs
+            state = request.states[seq.index]
             state.record_tokens(seq)
+            request.model_finished = all(s.model_finished for s in request.states)
+            if state.finished:
+                continue  # a stop string ended this output; the others go on
             index = request.detok.index
             if not state.detok_opened:
                 # Opened with its first tokens: a request the model worker refuses never
@@ -165,45 +211,77 @@ class Pipeline:
                 state.detok_opened = True
                 opens.setdefault(index, []).append(open_sequence(
                     state.request_id, self.model_info.tokenizer, request.prompt_token_ids, request.params))
-            tokens.setdefault(index, []).append(detok_worker_pb2.SequenceTokenIds(
-                sequence_id=state.request_id, token_ids=seq.token_ids, finished=state.model_finished))
+            entry = detok_worker_pb2.SequenceTokenIds(sequence_id=state.request_id, token_ids=seq.token_ids,
+                                                      finished=state.model_finished)
+            if request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream:
+                render_ids = logprob_ids(seq)
+                entry.render_token_ids = pack_int32(render_ids)
+                state.pending_render_ids.extend(render_ids)
+            tokens.setdefault(index, []).append(entry)
         for index in tokens.keys() | opens.keys():
             self.detoks[index].send(opens.get(index, ()), tokens.get(index, ()))
 
     def _on_text_delta_frame(self, index: int, frame: detok_worker_pb2.TextDeltaFrame) -> None:
         for delta in frame.deltas:
-            request = self._live.get(delta.sequence_id)
-            if request is None or request.detok.index != index:
+            found = self._sequences.get(delta.sequence_id)
+            if found is None or found[0].detok.index != index:
                 continue
-            state = request.state
+            request, choice = found
+            state = request.states[choice]
+            if delta.rendered.text and self.renderer is not None:
+                num_rendered = len(delta.rendered.text)
+                self.renderer.absorb(state.pending_render_ids[:num_rendered], delta.rendered)
+                del state.pending_render_ids[:num_rendered]
             if delta.error:
                 state.finished = True
-                if not state.model_finished:
-                    self.model.abort(state.request_id)
+                if self.metrics is not None:
+                    self.metrics.detok_rpc_errors.labels(worker=request.detok.address, rpc="Detokenize").inc()
                 self._fail(request, APIError(500, f"detokenizing failed: {delta.error}"))
                 continue
             if not delta.text and not delta.finished:
+                # Text held back (half a character, a possible stop string): its tokens ride
+                # with the next text.
+                state.num_accounted += delta.num_tokens
+                continue
+            if (request.params.prompt_logprobs is not None and state.prompt_logprobs is None
+                    and state.num_events == 0):
+                # Asked for and not sent: a model worker without prompt logprobs ignored the field.
+                self._fail(request, APIError(400, "this model worker does not return prompt logprobs "
+                                                  "(prompt_logprobs, or echo with logprobs)",
+                                             param="prompt_logprobs"))
                 continue
             event = state.take_event(delta)
             if delta.finished:
-                del self._live[state.request_id]
-                if not state.model_finished:
-                    # A stop string ended the text: the model worker need not go on.
-                    self.model.abort(state.request_id)
-            request.events.put_nowait(event)
+                self._sequences.pop(state.request_id, None)
+                if all(s.finished for s in request.states):
+                    # A stop string may have ended the text early: the model worker need not go on.
+                    self._end(request)
+            request.events.put_nowait((choice, event))
 
     def _on_model_lost(self, error: Exception) -> None:
+        if self.metrics is not None:
+            code = error.code().name if isinstance(error, grpc.aio.AioRpcError) else "STREAM_ENDED"
+            self.metrics.model_worker_rpc_errors.labels(rpc="Generate", code=code).inc()
         for request in list(self._live.values()):
-            if request.state.detok_opened and not request.state.finished:
-                request.detok.close_sequence(request.state.request_id)
-            request.state.model_finish_reason = model_worker_pb2.FINISH_REASON_ABORT
+            request.model_finished = True  # the lost stream took the request with it
             self._fail(request, workers_unavailable(f"lost the model worker stream: {error}"))
 
     def _on_detok_lost(self, index: int, error: Exception) -> None:
+        if self.metrics is not None:
+            self.metrics.detok_rpc_errors.labels(worker=self.detoks[index].address, rpc="Detokenize").inc()
         for request in list(self._live.values()):
             if request.detok.index != index:
                 continue
-            request.state.finished = True
-            if not request.state.model_finished:
-                self.model.abort(request.state.request_id)
+            for state in request.states:
+                state.finished = True  # nothing to close on a stream that is gone
             self._fail(request, workers_unavailable(f"lost the detok worker stream: {error}"))
+
+
+def logprob_ids(seq: model_worker_pb2.SequenceTokens) -> list[int]:
+    """Each new token's id followed by its top alternatives' ids, row-major: what its logprobs show."""
+    chosen = unpack_int32(seq.token_ids)  # [num_new_tokens]
+    k = seq.num_top_logprobs
+    if k <= 0 or not seq.top_token_ids:
+        return chosen.tolist()
+    top = unpack_int32(seq.top_token_ids).reshape(-1, k)  # [num_new_tokens, k]
+    return [t for c, row in zip(chosen.tolist(), top.tolist(), strict=True) for t in (c, *row)]

@@ -31,19 +31,27 @@ class PromptTokenizer:
         verified_tokenizer_json(identity)
         return cls(AutoTokenizer.from_pretrained(identity.path), chat_template)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, object]], add_generation_prompt: bool = True) -> list[int]:
         if self._chat_template is None and getattr(self._hf, "chat_template", None) is None:
             raise invalid_request("this model has no chat template; use /v1/completions", param="messages")
         try:
             ids = self._hf.apply_chat_template(messages, chat_template=self._chat_template,
-                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+                                               add_generation_prompt=add_generation_prompt, tokenize=True,
+                                               return_dict=False)
         except Exception as exc:  # jinja raises on conversations its template rejects
             raise invalid_request(f"chat template failed on these messages: {exc}", param="messages") from exc
         return list(ids)
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The tokenizer's own defaults (SmolLM2 adds no BOS), so ids match transformers' generate.
-        return list(self._hf(text)["input_ids"])
+        return list(self._hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def encode_words(self, text: str) -> list[int]:
+        """Text as it would read inside an output: no BOS or other special tokens (bad_words)."""
+        return self.encode_text(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes one token stands for (a piece of a UTF-8 character, possibly)."""
@@ -59,4 +67,11 @@ class PromptTokenizer:
         return raw
 
     def token_text(self, token_id: int) -> str:
-        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+        """The token as logprobs show it: its text, or for a token that is only part of a UTF-8
+        character, "bytes:" + \\xNN escapes (vLLM's convention; the detok worker's RenderTokens
+        answers the same), so no token shows U+FFFD."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)

@@ -1,16 +1,18 @@
 """OpenAI request parameters → the per-request data the workers take (AddRequest, OpenSequence).
 
-app.py builds one GenerationParams per HTTP request from the validated body; the pipeline
-turns it into the model worker's AddRequest and the detok worker's OpenSequence.
+app.py builds one GenerationParams per prompt from the validated body (generation_params); the
+pipeline turns it into the model worker's AddRequest and one detok OpenSequence per choice.
+Everything here is pure: a body and a tokenizer function in, proto messages out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from gateway.errors import context_length_exceeded, invalid_request
-from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
+from gateway.openai_requests import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tokenwire.v1 import common_pb2, detok_worker_pb2, model_worker_pb2
 
 # Enough prompt tokens for the detok worker to decode the first output piece as it reads
@@ -18,16 +20,23 @@ from tokenwire.v1 import common_pb2, detok_worker_pb2, model_worker_pb2
 PROMPT_TAIL_LEN = 8
 _UINT64 = 1 << 64
 
+GenerationRequest = ChatCompletionRequest | CompletionRequest
+# Text → token ids without special tokens (BOS), for bad_words.
+EncodeWords = Callable[[str], list[int]]
+
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """What one choice asks of the workers, independent of the OpenAI endpoint it came from."""
+    """What one prompt asks of the workers, independent of the OpenAI endpoint it came from."""
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: model_worker_pb2.SamplingParams = field(default_factory=model_worker_pb2.SamplingParams)
     max_tokens: int | None = None
+    n: int = 1
+    # 0: same as n. More: candidates generated, the n best returned at the end.
+    best_of: int = 0
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    diversity_penalty: float = 0.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -35,22 +44,87 @@ class GenerationParams:
     include_stop_str_in_output: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-
-    def for_choice(self, index: int) -> GenerationParams:
-        """Params of choice `index` of an n > 1 request: a seeded request gets a distinct seed per
-        choice, or every choice would draw the same tokens."""
-        if self.seed is None or index == 0:
-            return self
-        return replace(self, seed=(self.seed + index) % _UINT64)
+    # None: no prompt logprobs; k: each prompt token's logprob plus k alternatives.
+    prompt_logprobs: int | None = None
+    structured_output: model_worker_pb2.StructuredOutput | None = None
+    # Completions only: the prompt's text (and logprobs) lead each choice's output.
+    echo: bool = False
 
 
-def _params(body: ChatCompletionRequest | CompletionRequest, logprobs: bool, top_logprobs: int) -> GenerationParams:
-    return GenerationParams(
+def sampling_params(body: GenerationRequest, encode_words: EncodeWords) -> model_worker_pb2.SamplingParams:
+    """The sampler's settings, each OpenAI / vLLM field to its proto field of the same meaning."""
+    sampling = model_worker_pb2.SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
-        top_k=max(body.top_k or 0, 0),
+        top_k=max(body.top_k or 0, 0),  # vLLM's -1 and 0 both mean off
         top_p=1.0 if body.top_p is None else body.top_p,
-        seed=None if body.seed is None else body.seed % _UINT64,
+        min_p=body.min_p,
+        typical_p=body.typical_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_tokens=body.min_tokens,
+        allowed_token_ids=body.allowed_token_ids or (),
+    )
+    if body.seed is not None:
+        sampling.seed = body.seed % _UINT64  # proto seed is uint64; OpenAI's may be negative
+    for token_id, bias in (body.logit_bias or {}).items():
+        sampling.logit_bias[int(token_id)] = bias
+    for ids in bad_word_sequences(body.bad_words or (), encode_words):
+        sampling.bad_words.add(token_ids=ids)
+    return sampling
+
+
+def bad_word_sequences(words: Sequence[str], encode_words: EncodeWords) -> list[list[int]]:
+    """Each bad word as token ids, alone and after a space (vLLM's rule: in BPE vocabularies
+    " word" at a word boundary is a different token run from "word")."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for variant in (word, word if word.startswith(" ") else " " + word):
+            ids = encode_words(variant)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
+def structured_output(body: GenerationRequest) -> model_worker_pb2.StructuredOutput | None:
+    """The one output constraint the body names (the request models refuse two), or None."""
+    so = model_worker_pb2.StructuredOutput
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        return so(json_object=True)
+    if fmt is not None and fmt.type == "json_schema":
+        assert fmt.json_schema is not None, "validated by ResponseFormat"
+        return so(json_schema=json.dumps(fmt.json_schema.schema_))
+    if body.guided_json is not None:
+        schema = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        return so(json_schema=schema)
+    if body.guided_regex is not None or body.regex is not None:
+        return so(regex=body.guided_regex if body.guided_regex is not None else body.regex)
+    if body.guided_grammar is not None or body.ebnf is not None:
+        return so(grammar=body.guided_grammar if body.guided_grammar is not None else body.ebnf)
+    if body.guided_choice is not None:
+        return so(choice=so.Choice(choices=body.guided_choice))
+    return None
+
+
+def generation_params(body: GenerationRequest, encode_words: EncodeWords) -> GenerationParams:
+    if isinstance(body, ChatCompletionRequest):
+        logprobs, top_logprobs, echo = body.logprobs, body.top_logprobs or 0, False
+    else:
+        # Completions' logprobs=N asks for the chosen token's logprob plus the N most likely.
+        logprobs, top_logprobs, echo = body.logprobs is not None, body.logprobs or 0, body.echo
+    prompt_logprobs = body.prompt_logprobs
+    if echo and logprobs:
+        # Echoed prompt tokens carry logprobs too, with as many alternatives as the output's.
+        prompt_logprobs = max(prompt_logprobs or 0, top_logprobs)
+    return GenerationParams(
+        sampling=sampling_params(body, encode_words),
         max_tokens=body.completion_token_limit(),
+        n=body.n,
+        best_of=body.best_of or 0,
+        use_beam_search=body.use_beam_search,
+        length_penalty=body.length_penalty,
+        diversity_penalty=body.diversity_penalty,
         stop=tuple(body.stop_strings()),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
@@ -58,67 +132,73 @@ def _params(body: ChatCompletionRequest | CompletionRequest, logprobs: bool, top
         include_stop_str_in_output=body.include_stop_str_in_output,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured_output=structured_output(body),
+        echo=echo,
     )
 
 
-def chat_params(body: ChatCompletionRequest) -> GenerationParams:
-    return _params(body, body.logprobs, body.top_logprobs or 0)
+def chat_messages_of(chat: Sequence[ChatMessage]) -> list[dict[str, object]]:
+    """Messages as chat templates expect them; OpenAI's newer 'developer' role is 'system'."""
+    messages: list[dict[str, object]] = []
+    for m in chat:
+        message: dict[str, object] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    return messages
 
 
-def completion_params(body: CompletionRequest) -> GenerationParams:
-    # Completions' logprobs=N asks for the chosen token's logprob plus the N most likely.
-    return _params(body, body.logprobs is not None, body.logprobs or 0)
-
-
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the chat template expects them; OpenAI's newer 'developer' role is 'system'."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-
-
-def completion_prompt(body: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completions request: text to tokenize, or token ids as given."""
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        return prompt
-    first = prompt[0]
-    if isinstance(first, str):
-        return first
-    if isinstance(first, list):
-        return list(first)
-    return [t for t in prompt if isinstance(t, int)]
-
-
-def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
-    if not token_ids:
-        raise invalid_request("prompt must contain at least one token", param="prompt")
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+    if not token_ids and param == "prompt":
+        raise invalid_request("prompt must contain at least one token", param=param)
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise invalid_request(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}", param="prompt")
+        raise invalid_request(f"{param} token ids must be in [0, {vocab_size}); got {bad[:5]}", param=param)
 
 
-def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+def check_params_vocab(params: GenerationParams, vocab_size: int) -> None:
+    """Token ids in parameters must exist in the vocabulary, like prompt ids."""
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(list(params.sampling.logit_bias), vocab_size, "logit_bias")
+    check_token_ids(params.sampling.allowed_token_ids, vocab_size, "allowed_token_ids")
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                         param: str = "messages") -> None:
     """Refuses here what the model worker would refuse, with OpenAI's wording and both lengths."""
     if num_prompt_tokens >= max_model_len or (
             max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len):
-        raise context_length_exceeded(max_model_len, num_prompt_tokens, max_tokens)
+        raise context_length_exceeded(max_model_len, num_prompt_tokens, max_tokens, param)
 
 
 def add_request(request_id: str, prompt_token_ids: Sequence[int],
                 params: GenerationParams) -> model_worker_pb2.AddRequest:
-    sampling = model_worker_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k,
-                                               top_p=params.top_p)
-    if params.seed is not None:
-        sampling.seed = params.seed
-    return model_worker_pb2.AddRequest(
+    add = model_worker_pb2.AddRequest(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
-        sampling=sampling,
+        sampling=params.sampling,
         max_tokens=params.max_tokens or 0,  # 0: up to the context length
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs if params.logprobs else 0,
+        n=params.n,
+        best_of=params.best_of,
+        use_beam_search=params.use_beam_search,
+        diversity_penalty=params.diversity_penalty,
     )
+    if params.prompt_logprobs is not None:
+        add.prompt_logprobs = params.prompt_logprobs
+    if params.length_penalty is not None:
+        add.length_penalty = params.length_penalty
+    if params.structured_output is not None:
+        add.structured_output.CopyFrom(params.structured_output)
+    return add
 
 
 def open_sequence(sequence_id: str, tokenizer: common_pb2.TokenizerIdentity,

@@ -1,11 +1,13 @@
-"""One request's bookkeeping between the two workers: tokens in from the model, text in from detok.
+"""One choice's bookkeeping between the two workers: tokens in from the model, text in from detok.
 
-The pipeline records each SequenceTokens here as the model worker's reader sees it, and turns
-each TextDelta of the detok worker into the GenerationEvent the HTTP handler receives.
+The pipeline keeps one RequestState per output index of a request, records each SequenceTokens
+here as the model worker's reader sees it, and turns each TextDelta of the detok worker into the
+GenerationEvent the HTTP handler receives.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tokenwire.packing import unpack_float32, unpack_int32
@@ -16,6 +18,26 @@ _OPENAI_FINISH_REASON = {
     model_worker_pb2.FINISH_REASON_STOP: "stop",
     model_worker_pb2.FINISH_REASON_LENGTH: "length",
 }
+
+
+@dataclass
+class PromptLogprobs:
+    """Each prompt token's logprob and most likely alternatives; the first token has neither."""
+
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+def prompt_logprobs_of(seq: model_worker_pb2.SequenceTokens) -> PromptLogprobs:
+    logprobs: list[float | None] = [None if math.isnan(lp) else lp for lp in unpack_float32(seq.prompt_logprobs).tolist()]
+    k = seq.num_prompt_top_logprobs
+    top: list[list[tuple[int, float]]] = [[] for _ in logprobs]
+    if k > 0 and seq.prompt_top_token_ids:
+        ids = unpack_int32(seq.prompt_top_token_ids).reshape(-1, k).tolist()  # [num_prompt_tokens, k]
+        lps = unpack_float32(seq.prompt_top_logprobs).reshape(-1, k).tolist()
+        top = [[(t, lp) for t, lp in zip(row_ids, row_lps, strict=True) if t >= 0]
+               for row_ids, row_lps in zip(ids, lps, strict=True)]
+    return PromptLogprobs(logprobs, top)
 
 
 @dataclass
@@ -32,6 +54,8 @@ class GenerationEvent:
     num_prompt_tokens: int = 0
     # Output tokens that count for usage so far: after a stop string, those up to it.
     num_output_tokens: int = 0
+    # On a choice's first event only, when the request asked for prompt logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class RequestState:
@@ -44,6 +68,13 @@ class RequestState:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.num_emitted = 0
+        # Tokens the detok worker's replies say they cover (TextDelta.num_tokens); 0 from a
+        # detok worker that does not count them, and then every received token rides along.
+        self.num_accounted = 0
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.num_events = 0
+        # Ids sent to the detok worker to render (render_token_ids), in order, not yet answered.
+        self.pending_render_ids: list[int] = []
         self.model_finish_reason: int = model_worker_pb2.FINISH_REASON_UNSPECIFIED
         self.detok_opened = False
         self.finished = False
@@ -67,13 +98,17 @@ class RequestState:
         self.model_finish_reason = seq.finish_reason
 
     def take_event(self, delta: detok_worker_pb2.TextDelta) -> GenerationEvent:
-        """The event for a text delta: its text plus the tokens received since the last event.
+        """The event for a text delta: its text plus the tokens since the last event, up to those
+        the detok worker's replies have accounted for (TextDelta.num_tokens).
 
         Tokens ride with the next text rather than with their own text because the detok worker
         may hold text back (a possible stop string, half a character); after a stop string,
         tokens past it are dropped, as the text past it is.
         """
+        self.num_accounted += delta.num_tokens
         end = num_output_tokens = len(self.token_ids)
+        if self.num_accounted and not delta.finished:
+            end = min(self.num_accounted, end)
         finish_reason = None
         if delta.finished:
             self.finished = True
@@ -85,6 +120,7 @@ class RequestState:
                 finish_reason = _OPENAI_FINISH_REASON.get(self.model_finish_reason, "stop")
         start = self.num_emitted
         self.num_emitted = max(end, start)
+        self.num_events += 1
         return GenerationEvent(
             text=delta.text,
             token_ids=self.token_ids[start:end],
@@ -93,4 +129,5 @@ class RequestState:
             finish_reason=finish_reason,
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=num_output_tokens,
+            prompt_logprobs=self.prompt_logprobs if self.num_events == 1 else None,
         )

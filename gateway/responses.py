@@ -12,12 +12,12 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel
 
 from gateway.errors import APIError, error_sse_event
-from gateway.openai_schemas import (
+from gateway.openai_responses import (
     AssistantMessage,
     ChatChoice,
     ChatChoiceLogprobs,
@@ -31,8 +31,10 @@ from gateway.openai_schemas import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    VllmLogprob,
 )
-from gateway.request_state import GenerationEvent
+from gateway.request_state import GenerationEvent, PromptLogprobs
+from gateway.token_rendering import TokenRenderer
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +42,24 @@ SYSTEM_FINGERPRINT = "tokenwire-0.1.0"
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def sse_event(payload: BaseModel | dict[str, Any]) -> str:
-    """One server-sent event: a `data:` line of JSON and the blank line that ends the event."""
-    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+def sse_event(payload: BaseModel | dict[str, Any], with_usage: bool = True) -> str:
+    """One server-sent event: a `data:` line of JSON and the blank line that ends the event.
+
+    Without stream_options.include_usage OpenAI's chunks have no `usage` key at all.
+    """
+    if isinstance(payload, BaseModel):
+        body = payload.model_dump_json(exclude=None if with_usage else {"usage"})
+    else:
+        body = json.dumps(payload)
     return f"data: {body}\n\n"
 
 
-class TokenSpeller(Protocol):
-    """What rendering logprobs needs of a tokenizer (PromptTokenizer is one)."""
+@dataclass
+class PromptEcho:
+    """A completions prompt as echo shows it: its text, ids and (with logprobs) their logprobs."""
 
-    def token_text(self, token_id: int) -> str: ...
-
-    def token_bytes(self, token_id: int) -> bytes: ...
+    text: str
+    token_ids: list[int]
 
 
 @dataclass
@@ -64,6 +72,7 @@ class ChoiceOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, event: GenerationEvent) -> None:
         self.text_parts.append(event.text)
@@ -72,6 +81,7 @@ class ChoiceOutput:
         self.top_logprobs.extend(event.top_logprobs)
         self.finish_reason = event.finish_reason or self.finish_reason
         self.num_output_tokens = event.num_output_tokens
+        self.prompt_logprobs = event.prompt_logprobs or self.prompt_logprobs
 
     @property
     def text(self) -> str:
@@ -80,7 +90,7 @@ class ChoiceOutput:
     def as_event(self) -> GenerationEvent:
         return GenerationEvent(text=self.text, token_ids=self.token_ids, logprobs=self.logprobs,
                                top_logprobs=self.top_logprobs, finish_reason=self.finish_reason,
-                               num_output_tokens=self.num_output_tokens)
+                               num_output_tokens=self.num_output_tokens, prompt_logprobs=self.prompt_logprobs)
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int) -> Usage:
@@ -88,19 +98,66 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> Usage:
                  total_tokens=num_prompt_tokens + num_output_tokens)
 
 
+def vllm_prompt_logprobs(speller: TokenRenderer, prompt_ids: list[int],
+                         prompt_logprobs: PromptLogprobs | None) -> list[dict[str, VllmLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token, None for the first, else the token and
+    its alternatives keyed by id."""
+    if prompt_logprobs is None:
+        return None
+    rendered: list[dict[str, VllmLogprob] | None] = []
+    for position, token_id in enumerate(prompt_ids):
+        logprob = prompt_logprobs.logprobs[position] if position < len(prompt_logprobs.logprobs) else None
+        if logprob is None:
+            rendered.append(None)
+            continue
+        entry = {str(token_id): VllmLogprob(logprob=logprob, decoded_token=speller.token_text(token_id))}
+        alternatives = prompt_logprobs.top_logprobs[position] if position < len(prompt_logprobs.top_logprobs) else []
+        for rank, (alt, alt_logprob) in enumerate(alternatives, start=1):
+            entry.setdefault(str(alt), VllmLogprob(logprob=alt_logprob, rank=rank,
+                                                   decoded_token=speller.token_text(alt)))
+        rendered.append(entry)
+    return rendered
+
+
 class _Responder:
     id_prefix = ""
 
-    def __init__(self, model: str, speller: TokenSpeller, logprobs: bool) -> None:
+    def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, include_usage: bool = False) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.speller = speller
         self.logprobs = logprobs
+        # Stream chunks carry a `usage` key (null until the last) only when the client asked.
+        self.include_usage = include_usage
+        self.continuous_usage = False  # stream_options.continuous_usage_stats; set by the route
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        raise NotImplementedError
+
+    async def prepare(self, index: int, event: GenerationEvent) -> None:
+        """Has the renderer ready for every token this event's logprobs will show."""
+        ids: set[int] = set()
+        if self.logprobs:
+            ids.update(event.token_ids)
+            ids.update(t for row in event.top_logprobs for t, _ in row)
+        if event.prompt_logprobs is not None:  # echoed prompt tokens, vLLM's prompt_logprobs
+            ids.update(self._prompt_ids(index))
+            ids.update(t for row in event.prompt_logprobs.top_logprobs for t, _ in row)
+        if ids:
+            await self.speller.ensure(ids)
 
 
 class ChatResponder(_Responder):
     id_prefix = "chatcmpl"
+
+    def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, include_usage: bool = False,
+                 prompt_token_ids: list[int] | None = None) -> None:
+        super().__init__(model, speller, logprobs, include_usage)
+        self.prompt_token_ids = prompt_token_ids or []
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        return self.prompt_token_ids
 
     def _logprobs(self, event: GenerationEvent) -> ChatChoiceLogprobs | None:
         if not self.logprobs:
@@ -136,44 +193,84 @@ class ChatResponder(_Responder):
         choices = [ChatChoice(index=i, message=AssistantMessage(content=out.text),
                               logprobs=self._logprobs(out.as_event()), finish_reason=out.finish_reason)
                    for i, out in enumerate(outputs)]
+        prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None)
         return ChatCompletion(id=self.id, created=self.created, model=self.model,
                               system_fingerprint=SYSTEM_FINGERPRINT, choices=choices,
-                              usage=usage(num_prompt_tokens, sum(o.num_output_tokens for o in outputs)))
+                              usage=usage(num_prompt_tokens, sum(o.num_output_tokens for o in outputs)),
+                              prompt_logprobs=vllm_prompt_logprobs(self.speller, self.prompt_token_ids,
+                                                                   prompt_logprobs))
 
 
 class CompletionResponder(_Responder):
+    """Choices of a batch of prompts: choice i answers prompts[i // n] (OpenAI's order)."""
+
     id_prefix = "cmpl"
 
-    def __init__(self, model: str, speller: TokenSpeller, logprobs: bool, n: int = 1) -> None:
-        super().__init__(model, speller, logprobs)
+    def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, prompts: list[PromptEcho],
+                 n: int = 1, echo: bool = False, include_usage: bool = False) -> None:
+        super().__init__(model, speller, logprobs, include_usage)
+        self.prompts = prompts
+        self.n = n
+        self.echo = echo
+        num_choices = len(prompts) * n
         # text_offset counts characters from the start of each choice's text, across chunks.
-        self._text_offsets = [0] * n
+        self._text_offsets = [0] * num_choices
+        self._echoed = [False] * num_choices
 
-    def _logprobs(self, index: int, event: GenerationEvent) -> CompletionLogprobs | None:
+    def _prompt(self, index: int) -> PromptEcho:
+        return self.prompts[index // self.n]
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        return self._prompt(index).token_ids
+
+    def _logprobs(self, index: int, event: GenerationEvent, echo: PromptEcho | None) -> CompletionLogprobs | None:
         if not self.logprobs:
             return None
         s = self.speller
-        tokens = [s.token_text(t) for t in event.token_ids]
-        offsets = []
-        for token in tokens:
-            offsets.append(self._text_offsets[index])
-            self._text_offsets[index] += len(token)
-        top = []
+        token_ids: list[int] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        if echo is not None:
+            prompt_lps = event.prompt_logprobs
+            for position, token_id in enumerate(echo.token_ids):
+                logprob = prompt_lps.logprobs[position] if prompt_lps and position < len(prompt_lps.logprobs) else None
+                token_ids.append(token_id)
+                token_logprobs.append(logprob)
+                if logprob is None:
+                    top.append(None)
+                    continue
+                alternatives = dict(prompt_lps.top_logprobs[position]) if prompt_lps else {}
+                alternatives.setdefault(token_id, logprob)
+                top.append({s.token_text(t): lp for t, lp in alternatives.items()})
         for i, (token_id, logprob) in enumerate(zip(event.token_ids, event.logprobs, strict=False)):
             alternatives = dict(event.top_logprobs[i]) if i < len(event.top_logprobs) else {}
             # OpenAI's legacy shape lists the chosen token too, even when it is not among the top.
             alternatives.setdefault(token_id, logprob)
+            token_ids.append(token_id)
+            token_logprobs.append(logprob)
             top.append({s.token_text(t): lp for t, lp in alternatives.items()})
-        return CompletionLogprobs(tokens=tokens[:len(event.logprobs)], token_logprobs=list(event.logprobs),
-                                  top_logprobs=top, text_offset=offsets[:len(event.logprobs)])
+        tokens = [s.token_text(t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offsets[index])
+            self._text_offsets[index] += len(token)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top,
+                                  text_offset=offsets)
+
+    def _choice(self, index: int, event: GenerationEvent) -> CompletionChoice:
+        echo = None
+        if self.echo and not self._echoed[index]:
+            self._echoed[index] = True
+            echo = self._prompt(index)
+        text = event.text if echo is None else echo.text + event.text
+        return CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, event, echo),
+                                finish_reason=event.finish_reason)
 
     def first_chunks(self, n: int) -> list[Completion]:
         return []
 
     def chunk(self, index: int, event: GenerationEvent) -> Completion:
-        return self._completion([CompletionChoice(index=index, text=event.text,
-                                                  logprobs=self._logprobs(index, event),
-                                                  finish_reason=event.finish_reason)])
+        return self._completion([self._choice(index, event)])
 
     def usage_chunk(self, total: Usage) -> Completion:
         return self._completion([], total)
@@ -183,9 +280,12 @@ class CompletionResponder(_Responder):
                           system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=total)
 
     def response(self, outputs: list[ChoiceOutput], num_prompt_tokens: int) -> Completion:
-        choices = [CompletionChoice(index=i, text=out.text, logprobs=self._logprobs(i, out.as_event()),
-                                    finish_reason=out.finish_reason)
-                   for i, out in enumerate(outputs)]
+        choices = []
+        for i, out in enumerate(outputs):
+            choice = self._choice(i, out.as_event())
+            choice.prompt_logprobs = vllm_prompt_logprobs(self.speller, self._prompt(i).token_ids,
+                                                          out.prompt_logprobs)
+            choices.append(choice)
         return self._completion(choices, usage(num_prompt_tokens, sum(o.num_output_tokens for o in outputs)))
 
 
@@ -194,20 +294,33 @@ Responder = ChatResponder | CompletionResponder
 ChoiceEvents = AsyncGenerator[tuple[int, GenerationEvent], None]
 
 
-async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, responder: Responder, n: int,
-                     include_usage: bool, num_prompt_tokens: int) -> AsyncIterator[str]:
-    """The SSE body after the first event: every chunk, the usage chunk if asked, then [DONE]."""
-    num_output_tokens = [0] * n
+def _with_running_usage(chunk: BaseModel, on: bool, num_prompt_tokens: int, num_output_tokens: list[int]) -> BaseModel:
+    if on:
+        chunk.usage = usage(num_prompt_tokens, sum(num_output_tokens))
+    return chunk
+
+
+async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, responder: Responder,
+                     num_choices: int, num_prompt_tokens: int) -> AsyncIterator[str]:
+    """The SSE body after the first event: every chunk (choices interleaved as their events come),
+    the usage chunk if asked, then [DONE]."""
+    num_output_tokens = [0] * num_choices
+    with_usage = responder.include_usage
+    continuous_usage = with_usage and responder.continuous_usage
     try:
-        for chunk in responder.first_chunks(n):
-            yield sse_event(chunk)
+        for chunk in responder.first_chunks(num_choices):
+            yield sse_event(chunk, with_usage)
         index, event = first
         num_output_tokens[index] = event.num_output_tokens
-        yield sse_event(responder.chunk(index, event))
+        await responder.prepare(index, event)
+        yield sse_event(_with_running_usage(responder.chunk(index, event), continuous_usage, num_prompt_tokens,
+                                            num_output_tokens), with_usage)
         async for index, event in events:
             num_output_tokens[index] = event.num_output_tokens
-            yield sse_event(responder.chunk(index, event))
-        if include_usage:
+            await responder.prepare(index, event)
+            yield sse_event(_with_running_usage(responder.chunk(index, event), continuous_usage, num_prompt_tokens,
+                                                num_output_tokens), with_usage)
+        if with_usage:
             yield sse_event(responder.usage_chunk(usage(num_prompt_tokens, sum(num_output_tokens))))
     except APIError as exc:
         # Headers are gone: the failure becomes the stream's last event, never a silent cut.

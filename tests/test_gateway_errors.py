@@ -45,9 +45,46 @@ def test_missing_field_and_bad_json_are_400(client: TestClient) -> None:
 
 
 def test_unsupported_parameter_message(client: TestClient) -> None:
-    response = client.post("/v1/completions", json={"model": "m", "prompt": "x", "frequency_penalty": 1})
+    response = client.post("/v1/completions", json={"model": "m", "prompt": "x", "suffix": "y"})
     assert response.status_code == 400
-    assert "frequency_penalty is not supported yet" in response.json()["error"]["message"]
+    assert "suffix (fill-in-the-middle) is not supported" in response.json()["error"]["message"]
+
+
+def test_request_id_is_echoed_or_made(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"model": "m"}, headers={"X-Request-Id": "abc-123"})
+    assert response.status_code == 400 and response.headers["x-request-id"] == "abc-123"
+    made = client.post("/v1/completions", json={"model": "m"}).headers["x-request-id"]
+    assert len(made) == 32
+
+
+def test_api_keys_guard_the_api_but_not_probes() -> None:
+    keyed = TestClient(create_app(Config(api_key=["k1", "k2"])))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k1"}):
+        response = keyed.post("/v1/completions", json={"model": "m"}, headers=headers)
+        assert response.status_code == 401
+        assert assert_openai_error(response.json())["code"] == "invalid_api_key"
+    for key in ("k1", "k2"):
+        # past the key check: validation answers (no workers needed)
+        response = keyed.post("/v1/completions", json={"model": "m"}, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 400
+    assert keyed.post("/tokenize", json={}).status_code == 401
+    assert keyed.get("/openapi.json").status_code == 200
+
+
+def test_cors_flag_answers_preflights() -> None:
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    cors = TestClient(create_app(Config(cors_allow_origins=["https://app.example"], api_key=["k"])))
+    response = cors.options("/v1/chat/completions", headers=preflight)
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == "https://app.example"
+    plain = TestClient(create_app(Config()))
+    assert "access-control-allow-origin" not in plain.options("/v1/chat/completions", headers=preflight).headers
+
+
+def test_queue_full_is_429_with_retry_after() -> None:
+    error = from_grpc_code(8, "1024 requests are already waiting")
+    assert error.status == 429 and error.headers == {"Retry-After": "1"} and error.code == "queue_full"
 
 
 def test_unknown_route_is_openai_shaped_404(client: TestClient) -> None:

@@ -47,3 +47,24 @@ def test_tokenizer_with_another_hash_is_refused(tiny_model_dir: Path, tmp_path: 
     (tmp_path / "tokenizer.json").write_text((tmp_path / "tokenizer.json").read_text() + "\n")
     with pytest.raises(TokenizerMismatchError):
         PromptTokenizer.load(identity)
+
+
+def test_partial_character_tokens_render_as_escaped_bytes(tokenizer: PromptTokenizer) -> None:
+    ids = tokenizer.encode_text("日本")
+    partial = [i for i in ids if not _is_utf8(tokenizer.token_bytes(i))]
+    assert partial, "expected a token that is part of a character"
+    raw = tokenizer.token_bytes(partial[0])
+    assert tokenizer.token_text(partial[0]) == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def test_words_encode_without_special_tokens_and_decode_back(tokenizer: PromptTokenizer) -> None:
+    assert tokenizer.encode_words(" world") == [905]
+    assert tokenizer.decode([28120, 905]) == "hello world"
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.request_state import RequestState
+from gateway.request_state import RequestState, prompt_logprobs_of
 from tokenwire.packing import pack_float32, pack_int32
 from tokenwire.v1 import detok_worker_pb2, model_worker_pb2
 
@@ -77,3 +77,30 @@ def test_top_logprobs_unpack_row_major() -> None:
     state.record_tokens(tokens([7, 9], logprobs=[-0.5, -0.25], top=top))
     event = state.take_event(delta("xy"))
     assert event.top_logprobs == [[(7, -0.5), (8, -1.5)], [(9, -0.25), (7, -2.0)]]
+
+
+def test_num_tokens_attaches_only_the_tokens_a_delta_covers() -> None:
+    state = RequestState("r", 4)
+    state.record_tokens(tokens([1, 2, 3]))
+    # The detok worker answered for the first two tokens; the third is still in flight there.
+    event = state.take_event(detok_worker_pb2.TextDelta(sequence_id="r", text="ab", num_tokens=2))
+    assert event.token_ids == [1, 2]
+    event = state.take_event(detok_worker_pb2.TextDelta(sequence_id="r", text="c", num_tokens=1))
+    assert event.token_ids == [3]
+
+
+def test_prompt_logprobs_ride_on_the_first_event_only() -> None:
+    seq = tokens([10])
+    seq.prompt_logprobs = pack_float32([float("nan"), -1.5, -0.5])
+    seq.num_prompt_top_logprobs = 1
+    seq.prompt_top_token_ids = pack_int32([-1, 7, 8])
+    seq.prompt_top_logprobs = pack_float32([float("nan"), -1.0, -0.5])
+    prompt = prompt_logprobs_of(seq)
+    assert prompt.logprobs == [None, -1.5, -0.5]
+    assert prompt.top_logprobs == [[], [(7, -1.0)], [(8, -0.5)]]
+    state = RequestState("r", 3)
+    state.prompt_logprobs = prompt
+    state.record_tokens(seq)
+    assert state.take_event(delta("a")).prompt_logprobs == prompt
+    state.record_tokens(tokens([11]))
+    assert state.take_event(delta("b")).prompt_logprobs is None

@@ -19,6 +19,7 @@ from gateway.responses import (
     ChoiceEvents,
     ChoiceOutput,
     CompletionResponder,
+    PromptEcho,
     sse_event,
     sse_stream,
     usage,
@@ -28,11 +29,22 @@ from gateway.responses import (
 class ByteSpeller:
     """Token id i spells the single byte i, the way a byte-level vocabulary's first entries do."""
 
+    renders_in_stream = False
+
+    async def ensure(self, token_ids: object) -> None:
+        return None
+
+    def absorb(self, token_ids: object, rendered: object) -> None:
+        return None
+
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id])
+
+
+PROMPT = PromptEcho("hi", [104, 105])
 
 
 def event(text: str, ids: list[int], finish: str | None = None, logprobs: bool = False,
@@ -53,7 +65,7 @@ def test_sse_framing() -> None:
 
 
 def test_chat_stream_chunks() -> None:
-    responder = ChatResponder("m", ByteSpeller(), logprobs=False)
+    responder = ChatResponder("m", ByteSpeller(), logprobs=False, include_usage=True)
     (first,) = responder.first_chunks(1)
     body = as_json(first)
     assert body["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -92,7 +104,7 @@ def test_chat_response_without_logprobs_has_null_logprobs() -> None:
 
 
 def test_completion_response_and_stream_logprobs() -> None:
-    responder = CompletionResponder("m", ByteSpeller(), logprobs=True, n=2)
+    responder = CompletionResponder("m", ByteSpeller(), logprobs=True, prompts=[PROMPT], n=2)
     outputs = [ChoiceOutput(), ChoiceOutput()]
     outputs[0].add(event("AB", [65, 66], finish="length", logprobs=True))
     outputs[1].add(event("C", [67], finish="stop", logprobs=True))
@@ -106,7 +118,7 @@ def test_completion_response_and_stream_logprobs() -> None:
     # the chosen token is listed among the alternatives, as OpenAI's legacy shape does
     assert logprobs["top_logprobs"][1] == {"B": -0.5, "A": -1.0}
 
-    streaming = CompletionResponder("m", ByteSpeller(), logprobs=True, n=1)
+    streaming = CompletionResponder("m", ByteSpeller(), logprobs=True, prompts=[PROMPT], n=1)
     first = as_json(streaming.chunk(0, event("AB", [65, 66], logprobs=True)))
     second = as_json(streaming.chunk(0, event("C", [67], finish="stop", logprobs=True)))
     assert second["choices"][0]["logprobs"]["text_offset"] == [2]  # offsets continue across chunks
@@ -126,10 +138,10 @@ async def collect(stream: AsyncIterator[str]) -> list[str]:
 
 
 async def test_sse_stream_chat_with_usage() -> None:
-    responder = ChatResponder("m", ByteSpeller(), logprobs=False)
+    responder = ChatResponder("m", ByteSpeller(), logprobs=False, include_usage=True)
     first = (0, event("a", [97]))
     rest = events_then([(0, event("b", [98], finish="stop", total=2))])
-    parts = await collect(sse_stream(first, rest, responder, 1, include_usage=True, num_prompt_tokens=3))
+    parts = await collect(sse_stream(first, rest, responder, 1, num_prompt_tokens=3))
     assert parts[-1] == SSE_DONE and all(p.startswith("data: ") and p.endswith("\n\n") for p in parts)
     bodies = [json.loads(p.removeprefix("data: ")) for p in parts[:-1]]
     assert [b["choices"][0]["delta"] for b in bodies[:3]] == [{"role": "assistant", "content": ""},
@@ -138,12 +150,38 @@ async def test_sse_stream_chat_with_usage() -> None:
 
 
 async def test_sse_stream_failure_after_start_is_an_error_event_then_done() -> None:
-    responder = CompletionResponder("m", ByteSpeller(), logprobs=False)
+    responder = CompletionResponder("m", ByteSpeller(), logprobs=False, prompts=[PROMPT], include_usage=True)
     rest = events_then([APIError(503, "lost the detok worker stream")])
-    parts = await collect(sse_stream((0, event("a", [97])), rest, responder, 1, include_usage=True,
-                                     num_prompt_tokens=3))
+    parts = await collect(sse_stream((0, event("a", [97])), rest, responder, 1, num_prompt_tokens=3))
     assert parts[-1] == SSE_DONE
     error = json.loads(parts[-2].removeprefix("data: "))
     assert error == {"error": {"message": "lost the detok worker stream", "type": "service_unavailable_error",
                                "param": None, "code": None}}
     assert json.loads(parts[0].removeprefix("data: "))["choices"][0]["text"] == "a"
+
+
+async def test_sse_stream_interleaves_choices_and_counts_usage_over_all() -> None:
+    responder = CompletionResponder("m", ByteSpeller(), logprobs=False, prompts=[PROMPT], n=2, include_usage=True)
+    rest = events_then([(1, event("b", [98])), (0, event("c", [99], finish="stop", total=2)),
+                        (1, event("d", [100], finish="length", total=2))])
+    parts = await collect(sse_stream((0, event("a", [97])), rest, responder, 2, num_prompt_tokens=3))
+    bodies = [json.loads(p.removeprefix("data: ")) for p in parts[:-1]]
+    assert [(b["choices"][0]["index"], b["choices"][0]["text"]) for b in bodies[:-1]] == [
+        (0, "a"), (1, "b"), (0, "c"), (1, "d")]
+    assert all(b["usage"] is None for b in bodies[:-1])
+    assert bodies[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+async def test_sse_stream_without_include_usage_has_no_usage_key() -> None:
+    responder = ChatResponder("m", ByteSpeller(), logprobs=False, include_usage=False)
+    rest = events_then([(0, event("b", [98], finish="stop"))])
+    parts = await collect(sse_stream((0, event("a", [97])), rest, responder, 1, num_prompt_tokens=3))
+    bodies = [json.loads(p.removeprefix("data: ")) for p in parts[:-1]]
+    assert bodies and all("usage" not in b for b in bodies) and parts[-1] == SSE_DONE
+
+
+def test_echo_streams_the_prompt_once_per_choice() -> None:
+    responder = CompletionResponder("m", ByteSpeller(), logprobs=False, prompts=[PROMPT], n=2, echo=True)
+    texts = [as_json(responder.chunk(i, event(t, [ord(t)])))["choices"][0]["text"]
+             for i, t in [(0, "a"), (1, "b"), (0, "c")]]
+    assert texts == ["hia", "hib", "c"]

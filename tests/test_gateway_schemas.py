@@ -1,28 +1,31 @@
 """Unit tests of the gateway's request side: OpenAI body validation and the mapping to proto messages.
 
-No workers involved: these check what reaches AddRequest and OpenSequence for a given body.
+No workers involved: these check, for every parameter the gateway takes, what reaches
+AddRequest and OpenSequence (request_mapping's pure functions).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from pydantic import ValidationError
 
 from gateway.errors import APIError
-from gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
+from gateway.openai_requests import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from gateway.request_mapping import (
     PROMPT_TAIL_LEN,
     GenerationParams,
     add_request,
-    chat_messages,
-    chat_params,
+    bad_word_sequences,
+    chat_messages_of,
     check_context_length,
+    check_params_vocab,
     check_token_ids,
-    completion_params,
-    completion_prompt,
+    generation_params,
     open_sequence,
 )
-from tokenwire.v1 import common_pb2
+from tokenwire.v1 import common_pb2, model_worker_pb2
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -35,120 +38,185 @@ def completion(**fields: object) -> CompletionRequest:
     return CompletionRequest.model_validate({"model": "m", "prompt": "hello", **fields})
 
 
+def encode_words(text: str) -> list[int]:
+    """A stand-in tokenizer: one id per character (ord), so the expected ids are obvious."""
+    return [ord(c) for c in text]
+
+
+def add_for(body: ChatCompletionRequest | CompletionRequest) -> model_worker_pb2.AddRequest:
+    return add_request("r1", [5, 6, 7], generation_params(body, encode_words))
+
+
 def test_unknown_fields_are_ignored() -> None:
-    body = chat(user="u1", metadata={"a": "b"}, store=False, parallel_tool_calls=True)
-    assert body.model == "m"
+    body = chat(user="u1", metadata={"a": "b"}, store=False, parallel_tool_calls=True, service_tier="auto")
+    assert body.model == "m" and body.user == "u1"
 
 
 @pytest.mark.parametrize("fields", [
     {"temperature": 2.5}, {"temperature": -0.1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
-    {"max_tokens": 0}, {"max_completion_tokens": 0}, {"n": 0}, {"top_logprobs": 21, "logprobs": True},
-    {"top_logprobs": 2}, {"presence_penalty": 0.5}, {"frequency_penalty": -1.0}, {"logit_bias": {"1": 5}},
-    {"stop": ""}, {"stop": ["ok", ""]}, {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
+    {"max_tokens": 0}, {"max_completion_tokens": 0}, {"n": 0}, {"n": 17}, {"top_logprobs": 21, "logprobs": True},
+    {"top_logprobs": 2}, {"presence_penalty": 2.5}, {"frequency_penalty": -2.5}, {"logit_bias": {"x": 5}},
+    {"logit_bias": {"1": 101}}, {"stop": ""}, {"stop": ["ok", ""]}, {"messages": []},
+    {"messages": [{"role": "robot", "content": "x"}]},
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-    {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"response_format": {"type": "json_object"}},
-    {"stream": "sometimes"}, {"stop_token_ids": [-1]},
+    {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"response_format": {"type": "xml"}},
+    {"response_format": {"type": "json_schema"}}, {"stream": "sometimes"}, {"stop_token_ids": [-1]},
+    {"min_p": 1.5}, {"typical_p": 0}, {"repetition_penalty": 0}, {"min_tokens": -1},
+    {"min_tokens": 5, "max_tokens": 4}, {"allowed_token_ids": []}, {"allowed_token_ids": [-3]},
+    {"bad_words": [""]}, {"best_of": 1, "n": 2}, {"prompt_logprobs": -1}, {"guided_choice": []},
+    {"guided_regex": "a+", "guided_choice": ["a"]}, {"response_format": {"type": "json_object"}, "regex": "x"},
+    {"stream_options": {"include_usage": "maybe"}, "stream": True}, {"stream_options": {"include_usage": True}},
 ])
 def test_chat_bad_values_are_refused(fields: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         chat(**fields)
 
 
-def test_penalty_refusal_says_not_supported_yet() -> None:
-    with pytest.raises(ValidationError, match="presence_penalty is not supported yet"):
-        chat(presence_penalty=1.0)
+def test_defaults_map_to_neutral_sampling() -> None:
+    add = add_for(chat())
+    s = add.sampling
+    assert s.temperature == 1.0 and s.top_k == 0 and s.top_p == 1.0 and not s.HasField("seed")
+    assert s.min_p == 0 and s.typical_p == 1.0 and s.repetition_penalty == 1.0
+    assert s.presence_penalty == 0 and s.frequency_penalty == 0 and not s.logit_bias and not s.bad_words
+    assert add.max_tokens == 0  # chat without max_tokens: up to the context length
+    assert add.n == 1 and add.best_of == 0 and not add.use_beam_search and not add.HasField("length_penalty")
+    assert not add.logprobs and add.top_logprobs == 0 and not add.HasField("prompt_logprobs")
+    assert not add.HasField("structured_output")
 
 
-def test_chat_defaults_map_to_sampling_at_temperature_one() -> None:
-    params = chat_params(chat())
-    assert params == GenerationParams(temperature=1.0, top_k=0, top_p=1.0, seed=None, max_tokens=None)
+def test_every_sampling_parameter_reaches_the_add_request() -> None:
+    add = add_for(chat(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, typical_p=0.8, seed=-1,
+                       presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2, min_tokens=2,
+                       logit_bias={"11": 5, "12": -100}, bad_words=["ab"], allowed_token_ids=[1, 2, 3],
+                       max_tokens=5, max_completion_tokens=7, stop_token_ids=[9], ignore_eos=True))
+    s = add.sampling
+    assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9) and s.top_k == 40
+    assert s.min_p == pytest.approx(0.05) and s.typical_p == pytest.approx(0.8)
+    assert s.seed == (1 << 64) - 1  # proto seed is uint64
+    assert s.presence_penalty == 0.5 and s.frequency_penalty == -0.25 and s.repetition_penalty == pytest.approx(1.2)
+    assert s.min_tokens == 2 and dict(s.logit_bias) == {11: 5.0, 12: -100.0}
+    assert [list(w.token_ids) for w in s.bad_words] == [[97, 98], [32, 97, 98]]
+    assert list(s.allowed_token_ids) == [1, 2, 3]
+    assert add.max_tokens == 7  # max_completion_tokens wins over the deprecated max_tokens
+    assert list(add.stop_token_ids) == [9] and add.ignore_eos
+    assert add.request_id == "r1" and list(add.prompt_token_ids) == [5, 6, 7]
 
 
-def test_chat_params_mapping() -> None:
-    params = chat_params(chat(temperature=0, top_k=-1, top_p=0.9, seed=-1, max_tokens=5, max_completion_tokens=7,
-                              stop="END", stop_token_ids=[7], ignore_eos=True, skip_special_tokens=False,
-                              include_stop_str_in_output=True, logprobs=True, top_logprobs=3))
-    assert params.temperature == 0.0 and params.top_k == 0 and params.top_p == 0.9
-    assert params.seed == (1 << 64) - 1  # proto seed is uint64
-    assert params.max_tokens == 7  # max_completion_tokens wins over the deprecated max_tokens
-    assert params.stop == ("END",) and params.stop_token_ids == (7,)
-    assert params.ignore_eos and not params.skip_special_tokens and params.include_stop_str_in_output
-    assert params.logprobs and params.top_logprobs == 3
+def test_top_k_minus_one_is_off() -> None:
+    assert add_for(chat(top_k=-1)).sampling.top_k == 0
 
 
-def test_chat_messages_join_text_parts_and_map_developer_to_system() -> None:
-    body = chat(messages=[{"role": "developer", "content": "be brief"},
-                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
-    assert chat_messages(body) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+def test_n_best_of_and_beam_search_are_one_request() -> None:
+    add = add_for(completion(n=2, best_of=4, use_beam_search=True, length_penalty=0.5, temperature=0))
+    assert add.n == 2 and add.best_of == 4 and add.use_beam_search and add.length_penalty == 0.5
+    assert add_for(completion(n=2, best_of=4, use_beam_search=True, diversity_penalty=1.5,
+                              temperature=0)).diversity_penalty == 1.5
+
+
+def test_chat_logprobs_and_prompt_logprobs() -> None:
+    add = add_for(chat(logprobs=True, top_logprobs=3, prompt_logprobs=2))
+    assert add.logprobs and add.top_logprobs == 3 and add.prompt_logprobs == 2
+    assert not add_for(chat(logprobs=False)).logprobs
+
+
+def test_completion_logprobs_int_and_echo() -> None:
+    assert generation_params(completion(), encode_words).max_tokens == 16  # OpenAI's completions default
+    zero = add_for(completion(logprobs=0))
+    assert zero.logprobs and zero.top_logprobs == 0 and not zero.HasField("prompt_logprobs")
+    assert add_for(completion(logprobs=5)).top_logprobs == 5
+    # echo with logprobs needs the prompt's logprobs, with as many alternatives as the output's
+    echoed = add_for(completion(echo=True, logprobs=2))
+    assert echoed.prompt_logprobs == 2 and generation_params(completion(echo=True), encode_words).echo
+    assert not add_for(completion(echo=True)).HasField("prompt_logprobs")  # echo alone: text only
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     {"json_schema": '{"type": "object"}'}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_json": {"type": "integer"}}, {"json_schema": '{"type": "integer"}'}),
+    ({"guided_json": '{"type": "string"}'}, {"json_schema": '{"type": "string"}'}),
+    ({"guided_regex": "[ab]+"}, {"regex": "[ab]+"}),
+    ({"regex": "c+"}, {"regex": "c+"}),
+    ({"guided_grammar": "root ::= \"a\""}, {"grammar": "root ::= \"a\""}),
+    ({"ebnf": "root ::= \"b\""}, {"grammar": "root ::= \"b\""}),
+    ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+])
+def test_structured_output_mapping(fields: dict[str, object], expected: dict[str, object] | None) -> None:
+    for body in (chat(**fields), completion(**fields)):
+        add = add_for(body)
+        if expected is None:
+            assert not add.HasField("structured_output")
+            continue
+        so = add.structured_output
+        (kind, value), = expected.items()
+        assert so.WhichOneof("constraint") == kind
+        if kind == "choice":
+            assert list(so.choice.choices) == value
+        elif kind == "json_schema":
+            assert json.loads(so.json_schema) == json.loads(str(value))
+        else:
+            assert getattr(so, kind) == value
+
+
+def test_bad_words_are_tokenized_with_and_without_a_leading_space() -> None:
+    assert bad_word_sequences(["ab", " c"], encode_words) == [[97, 98], [32, 97, 98], [32, 99]]
+
+
+def test_messages_keep_tool_roles_and_join_text_parts() -> None:
+    body = chat(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ])
+    messages = chat_messages_of(body.messages)
+    assert messages[0] == {"role": "system", "content": "be brief"}
+    assert messages[1] == {"role": "user", "content": "ab"}
+    assert messages[2]["role"] == "assistant" and messages[2]["tool_calls"][0]["id"] == "c1"  # type: ignore[index]
+    assert messages[3] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
 
 
 @pytest.mark.parametrize(("prompt", "expected"), [
-    ("hello", "hello"), (["hello"], "hello"), ([1, 2, 3], [1, 2, 3]), ([[4, 5]], [4, 5]),
+    ("hello", ["hello"]), (["hello"], ["hello"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]),
+    ([[4, 5]], [[4, 5]]), ([[4], [5, 6]], [[4], [5, 6]]),
 ])
 def test_completion_prompt_forms(prompt: object, expected: object) -> None:
-    assert completion_prompt(completion(prompt=prompt)) == expected
+    assert completion(prompt=prompt).prompts() == expected
 
 
 @pytest.mark.parametrize("fields", [
-    {"prompt": ["a", "b"]}, {"prompt": []}, {"prompt": [[1], [2]]}, {"echo": True}, {"suffix": "x"},
-    {"logprobs": 6}, {"logprobs": -1}, {"best_of": 3}, {"prompt": None},
+    {"prompt": []}, {"prompt": [[]]}, {"suffix": "x"}, {"logprobs": 21}, {"logprobs": -1}, {"best_of": 1, "n": 3},
+    {"prompt": None}, {"echo": "perhaps"},
 ])
 def test_completion_bad_values_are_refused(fields: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         completion(**fields)
 
 
-def test_completion_defaults_and_logprobs() -> None:
-    assert completion_params(completion()).max_tokens == 16  # OpenAI's completions default
-    assert not completion_params(completion()).logprobs
-    zero = completion_params(completion(logprobs=0))
-    assert zero.logprobs and zero.top_logprobs == 0
-    assert completion_params(completion(logprobs=5)).top_logprobs == 5
-
-
-def test_add_request_carries_every_parameter() -> None:
-    params = GenerationParams(temperature=0.5, top_k=4, top_p=0.8, seed=11, max_tokens=9, stop_token_ids=(3,),
-                              ignore_eos=True, logprobs=True, top_logprobs=2)
-    add = add_request("r1", [5, 6, 7], params)
-    assert add.request_id == "r1" and list(add.prompt_token_ids) == [5, 6, 7]
-    assert add.sampling.temperature == 0.5 and add.sampling.top_k == 4
-    assert add.sampling.top_p == pytest.approx(0.8) and add.sampling.seed == 11
-    assert add.max_tokens == 9 and list(add.stop_token_ids) == [3] and add.ignore_eos
-    assert add.logprobs and add.top_logprobs == 2
-
-
-def test_add_request_unseeded_and_unbounded() -> None:
-    add = add_request("r", [1], GenerationParams())
-    assert not add.sampling.HasField("seed")
-    assert add.max_tokens == 0  # up to the context length
-    assert add.top_logprobs == 0 and not add.logprobs
-
-
 def test_open_sequence_carries_prompt_tail_and_stops() -> None:
     identity = common_pb2.TokenizerIdentity(path="/tok", sha256="ab")
     prompt = list(range(20))
-    params = GenerationParams(stop=("a", "bc"), skip_special_tokens=False, include_stop_str_in_output=True)
+    params = generation_params(chat(stop=["a", "bc"], skip_special_tokens=False, include_stop_str_in_output=True),
+                               encode_words)
     opened = open_sequence("s1", identity, prompt, params)
     assert opened.sequence_id == "s1" and opened.tokenizer == identity
     assert list(opened.prompt_tail_ids) == prompt[-PROMPT_TAIL_LEN:]
     assert list(opened.stop) == ["a", "bc"]
     assert not opened.skip_special_tokens and opened.include_stop_str_in_output
-
-
-def test_for_choice_spreads_seeds() -> None:
-    params = GenerationParams(seed=5)
-    assert [params.for_choice(i).seed for i in range(3)] == [5, 6, 7]
-    assert GenerationParams().for_choice(2).seed is None
+    assert list(open_sequence("s", identity, prompt, generation_params(chat(stop="x"), encode_words)).stop) == ["x"]
 
 
 def test_context_length_check_says_both_lengths() -> None:
     check_context_length(10, 6, 16)
     with pytest.raises(APIError) as info:
-        check_context_length(10, 7, 16)
-    assert info.value.status == 400
+        check_context_length(10, 7, 16, "prompt")
+    assert info.value.status == 400 and info.value.param == "prompt"
     assert "maximum context length is 16 tokens" in info.value.message
-    assert "you requested 17 tokens (10 in the messages, 7 in the completion)" in info.value.message
-    with pytest.raises(APIError, match="resulted in 16 tokens"):
+    assert "you requested 17 tokens (10 in the prompt, 7 in the completion)" in info.value.message
+    with pytest.raises(APIError, match="messages resulted in 16 tokens"):
         check_context_length(16, None, 16)
 
 
@@ -158,3 +226,22 @@ def test_token_ids_must_be_in_vocab() -> None:
         check_token_ids([1, 100], 100)
     with pytest.raises(APIError):
         check_token_ids([], 100)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"logit_bias": {"100": 1}}, "logit_bias"), ({"allowed_token_ids": [5, 100]}, "allowed_token_ids"),
+    ({"stop_token_ids": [100]}, "stop_token_ids"),
+])
+def test_parameter_token_ids_must_be_in_vocab(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(APIError) as info:
+        check_params_vocab(generation_params(chat(**fields), encode_words), 100)
+    assert info.value.param == param
+    check_params_vocab(GenerationParams(), 100)
+
+
+def test_tokenize_request_takes_one_input() -> None:
+    assert TokenizeRequest.model_validate({"prompt": "x"}).add_special_tokens
+    with pytest.raises(ValidationError):
+        TokenizeRequest.model_validate({})
+    with pytest.raises(ValidationError):
+        TokenizeRequest.model_validate({"prompt": "x", "messages": USER})

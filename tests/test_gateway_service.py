@@ -145,8 +145,8 @@ def test_bad_parameters_are_openai_400s(client: openai.OpenAI, model: str) -> No
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=HELLO, temperature=7)
     assert info.value.status_code == 400 and info.value.body["type"] == "invalid_request_error"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported yet"):
-        client.chat.completions.create(model=model, messages=HELLO, presence_penalty=1.0)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.chat.completions.create(model=model, messages=HELLO, presence_penalty=3.0)
     with pytest.raises(openai.BadRequestError, match=f"maximum context length is {MAX_MODEL_LEN} tokens"):
         client.completions.create(model=model, prompt="hi " * (MAX_MODEL_LEN + 10), max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="in the completion"):
@@ -245,6 +245,41 @@ def test_models_and_health(stack: Stack, client: openai.OpenAI, model: str) -> N
     cards = httpx.get(f"{stack.gateway_url}/v1/models", timeout=10).json()
     assert cards["object"] == "list" and cards["data"][0]["max_model_len"] == MAX_MODEL_LEN
     assert httpx.get(f"{stack.gateway_url}/health", timeout=10).status_code == 200
+    ready = httpx.get(f"{stack.gateway_url}/ready", timeout=10)
+    assert ready.status_code == 200 and ready.json()["model"] == model
+
+
+def test_metrics_count_requests_and_tokens(stack: Stack, client: openai.OpenAI, model: str) -> None:
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{stack.gateway_url}/metrics", timeout=10).text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith("tokenwire:")}
+
+    before = scrape()
+    reply = client.completions.create(model=model, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+    after = scrape()
+    assert reply.usage is not None
+    grew = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert grew["tokenwire:prompt_tokens_total"] == reply.usage.prompt_tokens
+    assert grew["tokenwire:generation_tokens_total"] == 3
+    assert grew["tokenwire:e2e_request_latency_seconds_count"] == 1
+    assert grew["tokenwire:time_to_first_token_seconds_count"] == 1
+    assert 'tokenwire:request_success_total{finished_reason="length"}' in after
+    assert "tokenwire:num_requests_running" in after and "tokenwire:num_requests_waiting" in after
+
+
+def test_tokenize_and_detokenize(stack: Stack, model: str) -> None:
+    tokens = httpx.post(f"{stack.gateway_url}/tokenize", json={"model": model, "prompt": "hello world"},
+                        timeout=10).json()
+    assert tokens["tokens"] == [28120, 905] and tokens["count"] == 2 and tokens["max_model_len"] == MAX_MODEL_LEN
+    chat = httpx.post(f"{stack.gateway_url}/tokenize", json={"messages": HELLO}, timeout=10).json()
+    assert chat["count"] > 2
+    text = httpx.post(f"{stack.gateway_url}/detokenize", json={"tokens": [28120, 905]}, timeout=10).json()
+    assert text == {"prompt": "hello world"}
+    bad = httpx.post(f"{stack.gateway_url}/detokenize", json={"tokens": [10**9]}, timeout=10)
+    assert bad.status_code == 400
+    assert httpx.post(f"{stack.gateway_url}/tokenize", json={"model": "other", "prompt": "x"},
+                      timeout=10).status_code == 404
 
 
 def test_lost_detok_worker_ends_streams_with_an_error_event(tiny_model_dir: Path) -> None:
@@ -261,6 +296,31 @@ def test_lost_detok_worker_ends_streams_with_an_error_event(tiny_model_dir: Path
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert error["type"] == "service_unavailable_error" and "detok" in error["message"]
-        assert httpx.get(f"{stack.gateway_url}/health", timeout=10).status_code == 503
+        assert httpx.get(f"{stack.gateway_url}/health", timeout=10).status_code == 200  # alive
+        ready = httpx.get(f"{stack.gateway_url}/ready", timeout=10)
+        assert ready.status_code == 503 and "detok" in ready.json()["error"]["message"]
         reply = httpx.post(f"{stack.gateway_url}/v1/completions", json={**body, "stream": False}, timeout=60)
         assert reply.status_code == 503 and reply.json()["error"]["code"] == "workers_unavailable"
+
+
+def test_full_queue_is_429_with_retry_after(tiny_model_dir: Path) -> None:
+    import concurrent.futures
+
+    # One slot and one waiting place: of 8 simultaneous long requests, one runs, one waits and
+    # the model worker refuses the rest with RESOURCE_EXHAUSTED.
+    with start_stack(["--model", str(tiny_model_dir), "--load-format", "dummy", "--max-num-seqs", "1",
+                      "--max-waiting-requests", "1", "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"],
+                     timeout_s=180) as stack:
+        model = httpx.get(f"{stack.gateway_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Go:", "max_tokens": 1000, "ignore_eos": True}
+
+        def one(_: int) -> httpx.Response:
+            return httpx.post(f"{stack.gateway_url}/v1/completions", json=body, timeout=120)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(one, range(8)))
+        refused = [r for r in replies if r.status_code == 429]
+        assert refused and any(r.status_code == 200 for r in replies)
+        assert {r.status_code for r in replies} <= {200, 429}
+        assert all(r.headers["retry-after"] == "1" for r in refused)
+        assert refused[0].json()["error"]["type"] == "rate_limit_error"

@@ -1,0 +1,242 @@
+"""Pydantic models of the OpenAI chat/completions request bodies and vLLM's /tokenize, /detokenize.
+
+app.py validates each body with these (unknown fields ignored, known fields with bad values
+refused with 400); request_mapping.py turns a validated body into the workers' proto messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Enough for every OpenAI limit we mirror; the model worker checks the rest against its vocab.
+MAX_TOP_LOGPROBS = 20
+MAX_N = 16
+
+
+class _Lenient(BaseModel):
+    # The OpenAI SDK sends fields we do not know (metadata, store, ...): ignore them.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+    # vLLM's extension: every chunk also carries the usage so far (needs include_usage), so a
+    # client counts tokens per chunk exactly instead of re-tokenizing text.
+    continuous_usage_stats: bool = False
+
+
+class TextContentPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    # Replayed tool conversations: the assistant's calls and the tool's answer to one of them.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class JsonSchemaFormat(_Lenient):
+    name: str = "response"
+    description: str | None = None
+    # OpenAI's field is `schema`, which shadows BaseModel.schema: hence the alias.
+    schema_: dict[str, Any] = Field(alias="schema", default_factory=dict)
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class _GenerationRequest(_Lenient):
+    """Parameters chat completions and completions share (OpenAI's, then vLLM/SGLang extensions)."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # Token id (as a JSON object key, so a string) -> bias added to its logit.
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's sampling extensions.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    typical_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    # Diverse beam search (transformers / OpenVINO): beams penalise tokens earlier beams chose.
+    diversity_penalty: float = Field(default=0.0, ge=0.0)
+    # Structured output: vLLM's guided_* fields and SGLang's regex / ebnf.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    @model_validator(mode="after")
+    def _check_shared(self) -> _GenerationRequest:
+        if any(s == "" for s in self.stop_strings()):
+            raise ValueError("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids or []):
+            raise ValueError("stop_token_ids must be >= 0")
+        if any(t < 0 for t in self.allowed_token_ids or []):
+            raise ValueError("allowed_token_ids must be >= 0")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+        if any(w == "" for w in self.bad_words or []):
+            raise ValueError("bad_words must not contain empty strings")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, not {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], not {bias}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.guided_choice is not None and not self.guided_choice:
+            raise ValueError("guided_choice must list at least one choice")
+        constraints = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                         "regex", "ebnf") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            constraints.append("response_format")
+        if len(constraints) > 1:
+            raise ValueError(f"only one output constraint at a time, got {', '.join(constraints)}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        limit = self.completion_token_limit()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
+        return self
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def completion_token_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat_fields(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.tools:
+            raise ValueError("tools (function calling) is not supported; send the tool results as messages")
+        return self
+
+    def completion_token_limit(self) -> int | None:
+        # max_completion_tokens replaces the deprecated max_tokens when both are sent.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    # A string, a batch of strings, token ids, or a batch of token-id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion_fields(self) -> CompletionRequest:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) == 0:
+                raise ValueError("prompt must not be empty")
+            if any(isinstance(p, list) and not p for p in self.prompt):
+                raise ValueError("a token-id prompt must not be empty")
+        if self.suffix:
+            raise ValueError("suffix (fill-in-the-middle) is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: each a text to tokenize or token ids as given."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+
+
+class TokenizeRequest(_Lenient):
+    """vLLM's /tokenize body: either a prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

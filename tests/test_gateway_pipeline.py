@@ -1,0 +1,135 @@
+"""Unit tests of the pipeline's dispatch: one AddRequest for n outputs, SequenceTokens.index routing
+each output to its own detok sequence and choice, stop strings ending one choice at a time.
+
+The worker streams are not opened: the test marks them connected, plays the model worker's
+TokenFrames and the detok worker's TextDeltaFrames into the reader callbacks, and reads what
+the pipeline queued for the workers and yielded to the HTTP side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from gateway.config import Config
+from gateway.errors import APIError
+from gateway.pipeline import Pipeline
+from gateway.request_mapping import GenerationParams
+from gateway.token_rendering import DetokRenderer
+from tokenwire.packing import pack_float32, pack_int32
+from tokenwire.v1 import common_pb2, detok_worker_pb2, model_worker_pb2
+
+STOP = model_worker_pb2.FINISH_REASON_STOP
+LENGTH = model_worker_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.fixture
+async def pipeline():
+    config = Config(model_worker="127.0.0.1:9", detok_workers=["127.0.0.1:9"])
+    channels = [grpc.aio.insecure_channel("127.0.0.1:9") for _ in range(2)]
+    p = Pipeline(config, channels[0], channels[1:])
+    p.model_info = model_worker_pb2.ModelInfo(tokenizer=common_pb2.TokenizerIdentity(path="/t", sha256="00"))
+    for stream in (p.model.stream, p.detoks[0].stream):
+        stream._connected.set()  # as if the bidi calls were open; nothing is sent
+    yield p
+    await asyncio.gather(*(c.close() for c in channels))
+
+
+def tokens(request_id: str, index: int, ids: list[int], finish: int = 0) -> model_worker_pb2.SequenceTokens:
+    return model_worker_pb2.SequenceTokens(request_id=request_id, index=index, token_ids=pack_int32(ids),
+                                           finish_reason=finish, num_output_tokens=len(ids))
+
+
+def text(sequence_id: str, value: str, finished: bool = False, **fields: int) -> detok_worker_pb2.TextDelta:
+    return detok_worker_pb2.TextDelta(sequence_id=sequence_id, text=value, finished=finished,
+                                      stop_index=fields.pop("stop_index", -1), **fields)
+
+
+async def test_n_outputs_are_one_request_routed_by_index(pipeline: Pipeline) -> None:
+    events: list[tuple[int, str, str | None]] = []
+
+    async def consume() -> None:
+        async for index, event in pipeline.generate([1, 2, 3], GenerationParams(n=2)):
+            events.append((index, event.text, event.finish_reason))
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0)
+    (add,) = pipeline.model._take_frame().adds  # as the sender would write it
+    assert add.n == 2 and list(add.prompt_token_ids) == [1, 2, 3]
+    rid = add.request_id
+    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(rid, 1, [7]), tokens(rid, 0, [5])]))
+    detok = pipeline.detoks[0]
+    frame = detok._take_frame()
+    assert [o.sequence_id for o in frame.opens] == [f"{rid}-1", f"{rid}-0"]
+    assert {t.sequence_id: t.token_ids for t in frame.tokens} == {f"{rid}-1": pack_int32([7]),
+                                                                  f"{rid}-0": pack_int32([5])}
+    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(f"{rid}-1", "b")]))
+    # Output 1 hits a stop string; output 0 goes on, and the request is not aborted yet.
+    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[
+        text(f"{rid}-1", "!", finished=True, stop_index=0, num_tokens_to_stop=1)]))
+    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(rid, 1, [8]), tokens(rid, 0, [6], LENGTH)]))
+    assert set(detok._tokens) == {f"{rid}-0"}  # the stopped output's later tokens go nowhere
+    assert not pipeline.model._aborts
+    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(f"{rid}-0", "ac", finished=True)]))
+    await asyncio.wait_for(task, 5)
+    assert events == [(1, "b", None), (1, "!", "stop"), (0, "ac", "length")]
+    # Output 1 was still running on the model worker when the last choice ended: aborted.
+    assert pipeline.model._aborts == [rid] and pipeline.num_live_requests == 0
+
+
+async def test_a_refusal_fails_the_whole_request(pipeline: Pipeline) -> None:
+    generator = pipeline.generate([1], GenerationParams(n=3))
+    pending = asyncio.create_task(anext(generator))
+    await asyncio.sleep(0)
+    (add,) = pipeline.model._take_frame().adds
+    refusal = model_worker_pb2.SequenceTokens(
+        request_id=add.request_id, finish_reason=model_worker_pb2.FINISH_REASON_ERROR,
+        error=model_worker_pb2.RequestError(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message="full"))
+    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[refusal]))
+    with pytest.raises(APIError) as info:
+        await asyncio.wait_for(pending, 5)
+    assert info.value.status == 429 and info.value.headers["Retry-After"]
+    assert pipeline.num_live_requests == 0 and not pipeline.model._aborts
+
+
+async def test_an_index_beyond_n_is_a_worker_fault(pipeline: Pipeline) -> None:
+    generator = pipeline.generate([1], GenerationParams(n=1))
+    pending = asyncio.create_task(anext(generator))
+    await asyncio.sleep(0)
+    (add,) = pipeline.model._take_frame().adds
+    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(add.request_id, 1, [4])]))
+    with pytest.raises(APIError, match="output 1 of a request for 1"):
+        await asyncio.wait_for(pending, 5)
+
+
+async def test_logprob_tokens_are_rendered_by_the_detok_worker_as_they_stream(pipeline: Pipeline) -> None:
+    async def no_rpc(ids: object) -> detok_worker_pb2.RenderedTokens:
+        raise AssertionError("every id came rendered with the stream")
+
+    pipeline.renderer = DetokRenderer(no_rpc)
+    generator = pipeline.generate([1], GenerationParams(logprobs=True, top_logprobs=1))
+    pending = asyncio.create_task(anext(generator))
+    await asyncio.sleep(0)
+    (add,) = pipeline.model._take_frame().adds
+    seq = tokens(add.request_id, 0, [5, 6])
+    seq.logprobs = pack_float32([-0.5, -0.25])
+    seq.num_top_logprobs = 1
+    seq.top_token_ids = pack_int32([9, 6])
+    seq.top_logprobs = pack_float32([-0.4, -0.25])
+    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[seq]))
+    (entry,) = pipeline.detoks[0]._take_frame().tokens
+    assert entry.render_token_ids == pack_int32([5, 9, 6, 6])  # each token, then its alternative
+    delta = text(f"{add.request_id}-0", "xy", num_tokens=2)
+    pieces = [b"x", b" nine", b"y", b"y"]
+    offsets = [0, 1, 6, 7, 8]
+    delta.rendered.CopyFrom(detok_worker_pb2.RenderedTokens(text=[p.decode() for p in pieces], data=b"".join(pieces),
+                                                            offsets=pack_int32(offsets)))
+    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[delta]))
+    index, event = await asyncio.wait_for(pending, 5)
+    assert index == 0 and event.token_ids == [5, 6]
+    await pipeline.renderer.ensure([5, 6, 9])
+    assert [pipeline.renderer.token_text(t) for t in (5, 9, 6)] == ["x", " nine", "y"]
+    assert pipeline.renderer.token_bytes(9) == b" nine"
+    await generator.aclose()
