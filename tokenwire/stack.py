@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tokenwire.grpc_tls import ClientTLS, sync_channel
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -37,12 +39,15 @@ class ServiceProcess:
     name: str
     args: list[str]
     process: subprocess.Popen
+    process_env: dict[str, str] | None = None
 
     def check_alive(self) -> None:
         if self.process.poll() is not None:
             raise ServiceFailedToStart(f"{self.name} exited with code {self.process.returncode}: {' '.join(self.args)}")
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 40.0) -> None:
+        """SIGTERM (the service drains, 30 s grace by default), then SIGKILL if it has not
+        exited within timeout_s."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -51,15 +56,29 @@ class ServiceProcess:
                 self.process.kill()
                 self.process.wait()
 
+    def kill(self) -> None:
+        """SIGKILL, no drain: what a crash or an OOM kill looks like to the other services."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def respawn(self) -> None:
+        """Starts the same command again (same flags, same port) after it exited."""
+        if self.process.poll() is None:
+            raise RuntimeError(f"{self.name} is still running")
+        self.process = subprocess.Popen(self.args, env=self.process_env)
+
 
 def spawn(name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> ServiceProcess:
     argv = [sys.executable, "-m", module, *args]
-    return ServiceProcess(name, argv, subprocess.Popen(argv, env={**os.environ, **(env or {})}))
+    full_env = {**os.environ, **(env or {})}
+    return ServiceProcess(name, argv, subprocess.Popen(argv, env=full_env), full_env)
 
 
-def wait_grpc_serving(service: ServiceProcess, address: str, timeout_s: float) -> None:
+def wait_grpc_serving(service: ServiceProcess, address: str, timeout_s: float,
+                      tls: ClientTLS | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             service.check_alive()
@@ -104,8 +123,13 @@ class Stack:
 @contextlib.contextmanager
 def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host: str = "127.0.0.1",
                 gateway_port: int | None = None, gateway_args: Sequence[str] = (),
-                timeout_s: float = 300.0) -> Iterator[Stack]:
-    """Model worker, num_detok detok replicas and the gateway, on free loopback ports."""
+                timeout_s: float = 300.0, detok_args: Sequence[str] = (),
+                tls: ClientTLS | None = None) -> Iterator[Stack]:
+    """Model worker, num_detok detok replicas and the gateway, on free loopback ports.
+
+    With TLS, the worker args carry the --tls-* flags and gateway_args the --worker-tls-* ones;
+    `tls` is what the launcher's own health probes use to reach the workers.
+    """
     mw_addr = f"{host}:{free_port()}"
     detok_addrs = [f"{host}:{free_port()}" for _ in range(num_detok)]
     port = gateway_port or free_port()
@@ -116,11 +140,12 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
         stack.services.append(mw)
         detoks = []
         for addr in detok_addrs:
-            detoks.append(spawn("detok_worker", "detok_worker", ["--host", host, "--port", addr.rsplit(":", 1)[1]]))
+            detoks.append(spawn("detok_worker", "detok_worker", ["--host", host, "--port", addr.rsplit(":", 1)[1],
+                                                                 *detok_args]))
             stack.services.append(detoks[-1])
         for d, addr in zip(detoks, detok_addrs, strict=True):
-            wait_grpc_serving(d, addr, timeout_s)
-        wait_grpc_serving(mw, mw_addr, timeout_s)
+            wait_grpc_serving(d, addr, timeout_s, tls)
+        wait_grpc_serving(mw, mw_addr, timeout_s, tls)
         gw = spawn("gateway", "gateway", ["--host", host, "--port", str(port), "--model-worker", mw_addr,
                                           "--detok-workers", ",".join(detok_addrs), *gateway_args])
         stack.services.append(gw)

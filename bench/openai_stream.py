@@ -1,0 +1,163 @@
+"""One streamed OpenAI request, timed chunk by chunk: the payload, the SSE reader, the token counts.
+
+Used by loadgen for every request; works against any OpenAI-compatible server (tokenwire's
+gateway, vLLM, llama-cpp-python's llama_cpp.server).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from bench.metrics import RequestRecord
+from bench.prompts import Prompt
+
+Api = Literal["completions", "chat"]
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What every request of a run asks for; extra_body is merged last (server-specific fields)."""
+
+    api: Api
+    model: str
+    max_tokens: int
+    ignore_eos: bool = True
+    prompt_format: Literal["text", "ids"] = "text"  # ids: completions only (tokenwire and vLLM take them)
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return "/completions" if self.api == "completions" else "/chat/completions"
+
+    def payload(self, prompt: Prompt) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            # include_usage: the exact total in a last chunk. continuous_usage_stats (vLLM's
+            # extension) puts the running count in every chunk, which gives exact tokens per chunk;
+            # servers that do not know it ignore it.
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True  # vLLM's and tokenwire's extension
+        if self.api == "chat":
+            body["messages"] = [{"role": "user", "content": prompt.text}]
+        else:
+            body["prompt"] = prompt.token_ids if self.prompt_format == "ids" else prompt.text
+        body.update(self.extra_body)
+        return body
+
+
+class StreamError(Exception):
+    """The server reported an error inside the stream (after its 200 headers)."""
+
+
+class ChunkTokenCounter:
+    """How many output tokens each SSE chunk carried, from the best source the server gives.
+
+    1. a running usage.completion_tokens in every chunk (continuous usage stats): exact;
+    2. the chunk's logprobs entries, when the request asked for logprobs: exact;
+    3. otherwise a guess from the chunk's text: count_text(text) tokens (loadgen re-encodes it
+       with the model's tokenizer), or one per chunk; checked against the final usage total.
+    """
+
+    def __init__(self, api: Api, count_text: Callable[[str], int] | None = None) -> None:
+        self.api = api
+        self.count_text = count_text
+        self.counted = 0
+        self.running_usage = 0
+        self.final_total: int | None = None
+        self.prompt_tokens: int | None = None
+        self.finish_reason: str | None = None
+        self.guessed = False
+
+    def feed(self, chunk: dict[str, Any]) -> int:
+        """Tokens in this chunk; raises StreamError on an error event."""
+        if chunk.get("error"):
+            error = chunk["error"]
+            raise StreamError(error.get("message", str(error)) if isinstance(error, dict) else str(error))
+        usage = chunk.get("usage") or {}
+        if usage.get("completion_tokens") is not None:
+            self.final_total = usage["completion_tokens"]
+            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+        choices = chunk.get("choices") or []
+        if not choices:  # the usage-only last chunk
+            return 0
+        self.finish_reason = choices[0].get("finish_reason") or self.finish_reason
+        if usage.get("completion_tokens") is not None:
+            num_tokens = usage["completion_tokens"] - self.running_usage
+            self.running_usage = usage["completion_tokens"]
+        else:
+            num_tokens = self._from_choice(choices[0])
+        self.counted += num_tokens
+        return num_tokens
+
+    def _from_choice(self, choice: dict[str, Any]) -> int:
+        logprobs = choice.get("logprobs") or {}
+        entries = logprobs.get("tokens") if self.api == "completions" else logprobs.get("content")
+        if entries is not None:
+            return len(entries)
+        text = choice.get("text") if self.api == "completions" else (choice.get("delta") or {}).get("content")
+        if not text:
+            return 0
+        self.guessed = True
+        # A chunk that holds text holds at least one token, even where re-encoding merges it.
+        return max(1, self.count_text(text)) if self.count_text else 1
+
+    def finish(self, max_tokens: int) -> None:
+        """Without any usage, a "length" finish still says how many tokens came: max_tokens."""
+        if self.final_total is None and self.finish_reason == "length":
+            self.final_total = max_tokens
+
+    @property
+    def total(self) -> int:
+        return self.final_total if self.final_total is not None else self.counted
+
+    @property
+    def exact(self) -> bool:
+        return not self.guessed or self.final_total == self.counted
+
+
+def parse_sse_line(line: str) -> dict[str, Any] | None:
+    """The JSON of a `data:` line; None for [DONE], comments, blank lines and other fields."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if not data or data == "[DONE]":
+        return None
+    return json.loads(data)
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, spec: RequestSpec, prompt: Prompt,
+                         count_text: Callable[[str], int] | None = None) -> RequestRecord:
+    """Sends one streamed request and times every chunk; failures land in record.error.
+    count_text: tokens in a piece of output text, for servers that report no per-chunk counts."""
+    counter = ChunkTokenCounter(spec.api, count_text)
+    record = RequestRecord(start=time.perf_counter())
+    try:
+        async with client.stream("POST", url, json=spec.payload(prompt)) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                raise StreamError(f"HTTP {response.status_code}: {body[:300]}")
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                chunk = parse_sse_line(line)
+                if chunk is not None:
+                    record.add_chunk(now, counter.feed(chunk))
+    except (StreamError, httpx.HTTPError, json.JSONDecodeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StreamError) else str(exc)
+    record.end = time.perf_counter()
+    counter.finish(spec.max_tokens)
+    record.num_output_tokens = counter.total
+    # Without usage, the prompt's own length (exact for text prompts, see prompts.py; a server may add a BOS).
+    record.num_prompt_tokens = counter.prompt_tokens if counter.prompt_tokens is not None else len(prompt.token_ids)
+    record.exact_token_counts = counter.exact
+    return record

@@ -1,0 +1,109 @@
+"""TLS and mTLS for every gRPC hop: server credentials for both workers, channel credentials for
+the gateway (and the stack launcher's health probes), all built from PEM file flags.
+
+Each service's Config holds the file paths and calls server_tls()/client_tls() in __post_init__,
+so a missing or half-given file pair is a flag error at start, never a handshake failure later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {path!r}: {exc.strerror or exc}") from exc
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """A worker's certificate chain and key; with client_ca_file, clients must present a
+    certificate signed by that CA (mutual TLS)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str = ""
+
+    def credentials(self) -> grpc.ServerCredentials:
+        client_ca = _read(self.client_ca_file, "--tls-client-ca-file") if self.client_ca_file else None
+        return grpc.ssl_server_credentials(
+            [(_read(self.key_file, "--tls-key-file"), _read(self.cert_file, "--tls-cert-file"))],
+            root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """How a client verifies a worker (ca_file) and, for mTLS, proves who it is (cert/key)."""
+
+    ca_file: str
+    cert_file: str = ""
+    key_file: str = ""
+    # Expected name in the worker's certificate when the address is not that name (an IP,
+    # or a Kubernetes pod address behind a headless Service).
+    server_name: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_file, "--worker-tls-ca-file"),
+            private_key=_read(self.key_file, "--worker-tls-key-file") if self.key_file else None,
+            certificate_chain=_read(self.cert_file, "--worker-tls-cert-file") if self.cert_file else None)
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def server_tls(cert_file: str, key_file: str, client_ca_file: str) -> ServerTLS | None:
+    """None (plaintext) when no file is given; raises ValueError on a half-given or unreadable set."""
+    if not (cert_file or key_file or client_ca_file):
+        return None
+    if not (cert_file and key_file):
+        raise ValueError("--tls-cert-file and --tls-key-file go together (--tls-client-ca-file needs both)")
+    tls = ServerTLS(cert_file, key_file, client_ca_file)
+    tls.credentials()  # reads every file now: a bad path is a start-up error
+    return tls
+
+
+def client_tls(ca_file: str, cert_file: str, key_file: str, server_name: str) -> ClientTLS | None:
+    """None (plaintext) when no file is given; raises ValueError on a half-given or unreadable set."""
+    if not (ca_file or cert_file or key_file):
+        if server_name:
+            raise ValueError("--worker-tls-server-name needs --worker-tls-ca-file")
+        return None
+    if not ca_file:
+        raise ValueError("--worker-tls-ca-file is needed to verify the workers' certificates")
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("--worker-tls-cert-file and --worker-tls-key-file go together (mTLS)")
+    tls = ClientTLS(ca_file, cert_file, key_file, server_name)
+    tls.credentials()
+    return tls
+
+
+def add_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
+    """Binds address, TLS when configured; raises OSError when the port is taken."""
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, tls.credentials())
+    if port == 0:
+        raise OSError(f"could not bind {address}")
+    return port
+
+
+def aio_channel(address: str, tls: ClientTLS | None,
+                options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    return grpc.aio.secure_channel(address, tls.credentials(), options=[*options, *tls.channel_options()])
+
+
+def sync_channel(address: str, tls: ClientTLS | None,
+                 options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.channel_options()])
