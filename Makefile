@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tokenwire-installed
 PYTEST_ARGS ?=
 
-.PHONY: install proto serve test test-fast lint bench clean
+.PHONY: install proto serve test test-fast lint bench bench-install bench-peers bench-loadgen bench-side-by-side clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,34 @@ test-fast: proto
 
 bench: proto
 	$(PY) bench/bench_engine.py
+
+# --- benchmark harness (bench/README.md) ---------------------------------------------------
+BENCH_STAMP := $(VENV)/.tokenwire-bench-installed
+# llama-cpp-python lives in its own venv outside the repo: it compiles llama.cpp (minutes) and
+# must not change the packages tokenwire is tested with.
+PEERS_VENV ?= $(HOME)/.cache/tokenwire/peers-venv
+LLAMA_CPP_PYTHON ?= $(PEERS_VENV)/bin/python
+BENCH_ARGS ?=
+BASE_URL ?= http://$(HOST):$(PORT)/v1
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+	touch $(BENCH_STAMP)
+
+bench-install: $(BENCH_STAMP)
+
+bench-peers:
+	test -x $(LLAMA_CPP_PYTHON) || $(PYTHON) -m venv $(PEERS_VENV)
+	$(LLAMA_CPP_PYTHON) -m pip install --quiet "llama-cpp-python[server]"
+
+# Load generator against a running server (make serve, or any OpenAI-compatible one).
+bench-loadgen: proto $(BENCH_STAMP)
+	$(PY) -m bench.loadgen --base-url $(BASE_URL) $(BENCH_ARGS)
+
+# tokenwire (gateway and engine alone) vs transformers vs llama-cpp-python, one run; llama-cpp-python
+# is skipped with a note unless `make bench-peers` built its venv.
+bench-side-by-side: proto $(BENCH_STAMP)
+	$(PY) -m bench.side_by_side --llama-cpp-python $(LLAMA_CPP_PYTHON) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) tokenwire/v1/*_pb2*.py tokenwire/v1/*_pb2*.pyi
