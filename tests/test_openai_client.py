@@ -16,8 +16,9 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import openai_client, tiny_stack
 from tests.test_openai_shapes import assert_openai_shape
-from tokenwire.stack import Stack, start_stack
+from tokenwire.stack import Stack
 
 pytestmark = pytest.mark.slow
 
@@ -26,21 +27,17 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 # Its greedy continuation has no near-ties (top-2 logprob gap > 0.2 nats on the tiny model), so
 # greedy-equivalent settings must pick the same tokens whatever the sampler's tie-breaking.
 PROMPT = "Write a poem about the sea"
-# Waiting on the model worker's sampler / structured-output / beam-search work (issue: model
-# worker sampling + n/best_of groups + structured output). strict: when the worker lands
-# the feature these start passing and fail as XPASS, which says: remove the mark.
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path) -> Iterator[Stack]:
-    with start_stack(["--model", str(tiny_model_dir), "--load-format", "dummy", "--max-num-seqs", "8",
-                      "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu"], timeout_s=180) as running:
+    with tiny_stack(tiny_model_dir, MAX_MODEL_LEN) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(stack.gateway_url)
 
 
 @pytest.fixture(scope="module")
