@@ -324,3 +324,37 @@ def test_full_queue_is_429_with_retry_after(tiny_model_dir: Path) -> None:
         assert {r.status_code for r in replies} <= {200, 429}
         assert all(r.headers["retry-after"] == "1" for r in refused)
         assert refused[0].json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_reader_that_never_reads_does_not_slow_other_streams(stack: Stack, client: openai.OpenAI,
+                                                               model: str) -> None:
+    """A client with a tiny receive buffer that reads nothing: the server's writes to it back up,
+    and other streams must still run at full pace (each request has its own queue and task)."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(stack.gateway_url)
+    body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 900, "stream": True, "ignore_eos": True,
+                       "logprobs": 5}).encode()
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect((url.hostname, url.port))
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    try:
+        time.sleep(1.0)  # the stalled stream is generating and its socket is filling up
+
+        def timed_stream() -> float:
+            start = time.perf_counter()
+            chunks = list(client.completions.create(model=model, prompt="hello", max_tokens=64, stream=True,
+                                                    extra_body={"ignore_eos": True}))
+            assert chunks[-1].choices[0].finish_reason == "length"
+            return time.perf_counter() - start
+
+        with_stalled = timed_stream()
+    finally:
+        stalled.close()
+    time.sleep(1.0)  # the gateway notices the closed socket and aborts the stalled request
+    alone = timed_stream()
+    # Same work with and without the stalled reader; generous bound for a shared CI machine.
+    assert with_stalled < 3 * alone + 2.0, (with_stalled, alone)

@@ -155,6 +155,14 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
         stack.stop()
 
 
+def one_host_worker_threads() -> int:
+    """Torch threads for a model worker sharing its host with the gateway and detok workers: one
+    core is left to them. On 2 cores, 2 worker threads made a single stream through the gateway
+    slower than 1 (40.5 vs 56.6 tok/s, bench/README.md): each token wakes the other services,
+    and a preempted OpenMP thread stalls every barrier of the step."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Start model worker, detok worker(s) and gateway.")
     parser.add_argument("--host", default="127.0.0.1")
@@ -164,6 +172,8 @@ def main() -> int:
                         help="after --, flags for the model worker (e.g. -- --model /path/to/model.gguf)")
     args = parser.parse_args()
     extra = [a for a in args.model_worker_args if a != "--"]
+    if not any(a.startswith("--num-threads") for a in extra):
+        extra += ["--num-threads", str(one_host_worker_threads())]
     stopping = False
 
     def on_signal(signum, frame):
