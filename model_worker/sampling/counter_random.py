@@ -66,6 +66,12 @@ def _uniform_bits(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 
 def uniforms(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """keys [S], columns [C] int32 -> uniforms [S, C] float32 in (0, 1), 24 bits each."""
-    # (2**24 - 1) + 0.5 rounds to 2**24 in float32, so u would be exactly 1: the inverse-CDF draw
-    # (u * total) could then land past the last allowed token, and XTC's coin would never fire.
+    # (2**24 - 1) + 0.5 rounds to 2**24 in float32, so u would be exactly 1 and its Gumbel noise +inf:
+    # that column would be drawn even where a filter or grammar mask set -inf (NaN wins argmax).
     return _uniform_bits(keys, columns).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24)).clamp_(max=1.0 - 2.0**-24)
+
+
+def gumbel_noise(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """[S, C] Gumbel(0, 1): argmax(logits + noise) draws from softmax(logits) (the Gumbel-max trick,
+    the same race as argmax(p / Exp(1)) without computing p)."""
+    return uniforms(keys, columns).log_().neg_().log_().neg_()
