@@ -78,3 +78,10 @@ def openai_client(gateway_url: str):
     import openai
 
     return openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    """The served model id, for modules whose `client` fixture is an openai.OpenAI on a stack."""
+    (card,) = client.models.list().data
+    return card.id

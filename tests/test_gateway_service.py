@@ -37,12 +37,6 @@ def client(stack: Stack) -> openai.OpenAI:
     return openai_client(stack.gateway_url)
 
 
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    (card,) = client.models.list().data
-    return card.id
-
-
 def live_requests(stack: Stack) -> int:
     return httpx.get(f"{stack.gateway_url}/health", timeout=10).json()["live_requests"]
 

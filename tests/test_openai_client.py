@@ -40,12 +40,6 @@ def client(stack: Stack) -> openai.OpenAI:
     return openai_client(stack.gateway_url)
 
 
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    (card,) = client.models.list().data
-    return card.id
-
-
 def shape(parsed: Any, stream: bool = False) -> None:
     # The SDK builds objects without validating; the keys it was given are the wire's keys.
     assert_openai_shape(parsed.model_dump(exclude_unset=True), stream=stream)
