@@ -42,15 +42,8 @@ class BeamSearchRequest:
             raise RequestRejected(invalid, f"diversity_penalty must be >= 0, not {diversity_penalty}")
         if length_penalty != length_penalty:
             raise RequestRejected(invalid, "length_penalty must be a number")
-        if max_tokens < 0:
-            raise RequestRejected(invalid, f"max_tokens must be >= 0 (0 means up to the context), not {max_tokens}")
-        if num_prompt and num_prompt < engine.max_model_len:
-            room = engine.max_model_len - num_prompt
-            if max_tokens > room:
-                raise RequestRejected(invalid, f"this model's maximum context length is {engine.max_model_len} "
-                                               f"tokens, but {num_prompt + max_tokens} were requested ({num_prompt} "
-                                               f"in the prompt, {max_tokens} for the output)")
-            max_tokens = max_tokens or room
+        if num_prompt:  # an empty prompt is refused by the first round's add_request
+            max_tokens = engine.output_budget(num_prompt, max_tokens)
         stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else engine.eos_token_ids)
         self.engine = engine
         self.new_seq_id = new_seq_id

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from model_worker.model_files import DEFAULT_MODEL
-from tokenwire.grpc_tls import server_tls
+from tokenwire.grpc_tls import WorkerServerOptions
 
 
 def _default_cache_dir() -> str:
@@ -15,7 +15,7 @@ def _default_cache_dir() -> str:
 
 
 @dataclass
-class Config:
+class Config(WorkerServerOptions):
     """tokenwire model worker: continuous batching behind a bidirectional gRPC stream."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
@@ -55,15 +55,9 @@ class Config:
     cache_dir: str = field(default_factory=_default_cache_dir, metadata={
         "help": "where converted GGUF models are cached"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
-    tls_cert_file: str = field(default="", metadata={"help": "PEM certificate chain; with --tls-key-file serves gRPC over TLS"})
-    tls_key_file: str = field(default="", metadata={"help": "PEM private key of --tls-cert-file"})
-    tls_client_ca_file: str = field(default="", metadata={
-        "help": "PEM CA bundle; set: clients must present a certificate it signed (mTLS)"})
-    drain_grace_s: float = field(default=30.0, metadata={
-        "help": "on SIGTERM: seconds running requests get to finish before the worker exits"})
 
     def __post_init__(self) -> None:
-        self.tls = server_tls(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        super().__post_init__()
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be auto or dummy, not {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -83,6 +83,21 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def output_budget(self, num_prompt: int, max_tokens: int) -> int:
+        """max_tokens checked against the context and resolved (0: all the room the prompt leaves);
+        raises RequestRejected saying both lengths."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        if num_prompt >= self.max_model_len:
+            raise RequestRejected(invalid, f"the prompt has {num_prompt} tokens, but the model's context is "
+                                           f"{self.max_model_len} tokens, which leaves no room for output")
+        if max_tokens < 0:
+            raise RequestRejected(invalid, f"max_tokens must be >= 0 (0 means up to the context), not {max_tokens}")
+        if max_tokens and num_prompt + max_tokens > self.max_model_len:
+            raise RequestRejected(invalid, f"this model's maximum context length is {self.max_model_len} tokens, "
+                                           f"but {num_prompt + max_tokens} were requested ({num_prompt} in the "
+                                           f"prompt, {max_tokens} for the output)")
+        return max_tokens or self.max_model_len - num_prompt
+
     def add_request(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingParams, max_tokens: int,
                     stop_token_ids: list[int], ignore_eos: bool, n: int = 1, best_of: int = 0,
                     grammar: CompiledGrammar | None = None) -> Sequence:
@@ -99,16 +114,8 @@ class LLMEngine:
         bad_stop = [t for t in stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise RequestRejected(invalid, f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab})")
-        if num_prompt >= self.max_model_len:
-            raise RequestRejected(invalid, f"the prompt has {num_prompt} tokens, but the model's context is "
-                                           f"{self.max_model_len} tokens, which leaves no room for output")
-        if max_tokens < 0:
-            raise RequestRejected(invalid, f"max_tokens must be >= 0 (0 means up to the context), not {max_tokens}")
-        if max_tokens and num_prompt + max_tokens > self.max_model_len:
-            raise RequestRejected(invalid, f"this model's maximum context length is {self.max_model_len} tokens, "
-                                           f"but {num_prompt + max_tokens} were requested ({num_prompt} in the "
-                                           f"prompt, {max_tokens} for the output)")
-        problem = validate_sampling_params(sampling, vocab, max_tokens or self.max_model_len - num_prompt)
+        max_tokens = self.output_budget(num_prompt, max_tokens)
+        problem = validate_sampling_params(sampling, vocab, max_tokens)
         if problem is not None:
             raise RequestRejected(invalid, problem)
         if sampling.seed is None:
@@ -136,7 +143,7 @@ class LLMEngine:
             seq_id=next(self._seq_ids),
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,
-            max_tokens=max_tokens or self.max_model_len - num_prompt,
+            max_tokens=max_tokens,
             stop_token_ids=frozenset(stops),
             num_pending_forks=best_of - 1,
         )

@@ -8,7 +8,7 @@ so a missing or half-given file pair is a flag error at start, never a handshake
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -107,3 +107,19 @@ def sync_channel(address: str, tls: ClientTLS | None,
     if tls is None:
         return grpc.insecure_channel(address, options=list(options))
     return grpc.secure_channel(address, tls.credentials(), options=[*options, *tls.channel_options()])
+
+
+@dataclass
+class WorkerServerOptions:
+    """The flags both gRPC workers share (TLS / mTLS and the SIGTERM drain); each worker's Config
+    inherits them, so the flags and their checks are written once."""
+
+    tls_cert_file: str = field(default="", metadata={"help": "PEM certificate chain; with --tls-key-file serves gRPC over TLS"})
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of --tls-cert-file"})
+    tls_client_ca_file: str = field(default="", metadata={
+        "help": "PEM CA bundle; set: clients must present a certificate it signed (mTLS)"})
+    drain_grace_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM: seconds running requests get to finish before the worker exits"})
+
+    def __post_init__(self) -> None:
+        self.tls = server_tls(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
