@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a file: python bench/engine_alone.py
 from bench.loadgen import format_summary  # noqa: E402
 from bench.metrics import LevelSummary, RequestRecord, summarize  # noqa: E402
 from bench.prompts import Prompt, load_tokenizer, make_prompts  # noqa: E402
-from bench.report import build_report, plot_reports, write_report  # noqa: E402
+from bench.report import build_report, save_report  # noqa: E402
 from bench.workload import Level, Workload, add_workload_args, arrival_offsets, workload_from_args  # noqa: E402
 from model_worker.__main__ import build_engine as build_model_worker_engine  # noqa: E402
 from model_worker.config import Config  # noqa: E402
@@ -116,10 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     args.model_worker_args = argv[split + 1:]
-    try:
-        args.workload = workload_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    args.workload = workload_from_args(args, parser)
     return args
 
 
@@ -143,13 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = engine.runner
     report = build_report(args.label, "engine", {**asdict(workload), "model_worker_args": args.model_worker_args},
                           summaries, dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device))
-    if args.json_out:
-        write_report(Path(args.json_out), report)
-        print(f"wrote {args.json_out}")
-    if args.plot:
-        plot_reports([report], Path(args.plot), f"{args.label}: prompt {workload.prompt_len}, "
-                                                f"output {workload.output_tokens} tokens")
-        print(f"wrote {args.plot}")
+    save_report(report, args.json_out, args.plot,
+                f"{args.label}: prompt {workload.prompt_len}, output {workload.output_tokens} tokens")
     return 1 if any(s.failed for s in summaries) else 0
 
 

@@ -112,10 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", dest="json_out", default="")
     add_workload_args(parser)
     args = parser.parse_args(argv)
-    try:
-        args.workload = workload_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    args.workload = workload_from_args(args, parser)
     return args
 
 

@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a file: python bench/loadgen.py
 from bench.metrics import LevelSummary, RequestRecord, summarize  # noqa: E402
 from bench.openai_stream import RequestSpec, stream_request  # noqa: E402
 from bench.prompts import Prompt, default_tokenizer_path, load_tokenizer, make_prompts  # noqa: E402
-from bench.report import build_report, plot_reports, write_report  # noqa: E402
+from bench.report import build_report, save_report  # noqa: E402
 from bench.workload import Level, Workload, add_workload_args, arrival_offsets, workload_from_args  # noqa: E402
 
 
@@ -123,10 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", default="", help="write a PNG plot here")
     add_workload_args(parser)
     args = parser.parse_args(argv)
-    try:
-        args.workload = workload_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    args.workload = workload_from_args(args, parser)
     try:
         args.extra = json.loads(args.extra_body)
     except ValueError as exc:
@@ -159,13 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  "prompt_format": args.prompt_format,
                                                  "ignore_eos": args.ignore_eos, "extra_body": args.extra},
                           summaries)
-    if args.json_out:
-        write_report(Path(args.json_out), report)
-        print(f"wrote {args.json_out}")
-    if args.plot:
-        plot_reports([report], Path(args.plot), f"{args.label}: prompt {workload.prompt_len}, "
-                                                f"output {workload.output_tokens} tokens")
-        print(f"wrote {args.plot}")
+    save_report(report, args.json_out, args.plot,
+                f"{args.label}: prompt {workload.prompt_len}, output {workload.output_tokens} tokens")
     return 1 if any(s.failed for s in summaries) else 0
 
 

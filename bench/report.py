@@ -47,6 +47,16 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def save_report(report: dict[str, Any], json_out: str, plot: str, title: str) -> None:
+    """Writes the report's JSON and PNG where the command line asked (empty: skip)."""
+    if json_out:
+        write_report(Path(json_out), report)
+        print(f"wrote {json_out}")
+    if plot:
+        plot_reports([report], Path(plot), title)
+        print(f"wrote {plot}")
+
+
 def read_report(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 

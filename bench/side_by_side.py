@@ -167,10 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_workload_args(parser)
     parser.set_defaults(output_tokens=200, concurrency=[1, 32])
     args = parser.parse_args(argv)
-    try:
-        args.workload = workload_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    args.workload = workload_from_args(args, parser)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     args.system_list = [s for s in args.systems.split(",") if s]

@@ -110,6 +110,10 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
 
 
-def workload_from_args(args: argparse.Namespace) -> Workload:
-    return Workload(args.prompt_len, args.output_tokens, tuple(args.concurrency), tuple(args.request_rate),
-                    args.max_concurrency, args.num_requests, args.waves, args.seed)
+def workload_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Workload:
+    """The Workload the flags describe; a bad combination ends the command with parser.error."""
+    try:
+        return Workload(args.prompt_len, args.output_tokens, tuple(args.concurrency), tuple(args.request_rate),
+                        args.max_concurrency, args.num_requests, args.waves, args.seed)
+    except ValueError as exc:
+        parser.error(str(exc))
