@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from gateway.request_state import GenerationEvent, PromptLogprobs
 from gateway.responses import ChatResponder, ChoiceOutput, CompletionResponder, PromptEcho, sse_event, usage
+from tests.test_gateway_responses import ByteSpeller
 
 # Fields of the SDK's types that OpenAI's API itself leaves out for the requests we serve (no
 # tools, audio, moderation, service tiers, token details); everything else must be present.
@@ -104,21 +105,6 @@ def _as_sdk_types_it(choice: dict[str, Any], stream: bool) -> dict[str, Any]:
 
 
 # ---- the responders' bodies ----
-
-class ByteSpeller:
-    renders_in_stream = False
-
-    async def ensure(self, token_ids: object) -> None:
-        return None
-
-    def absorb(self, token_ids: object, rendered: object) -> None:
-        return None
-
-    def token_text(self, token_id: int) -> str:
-        return chr(token_id)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return bytes([token_id])
 
 
 def event(text: str, ids: list[int], finish: str | None = None, prompt: PromptLogprobs | None = None

@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.test_structured_output_engine import SCHEMA
 from tokenwire.grpc_server import CHANNEL_OPTIONS
 from tokenwire.packing import unpack_int32_list
 from tokenwire.stack import Stack, free_port, spawn, start_stack, wait_grpc_serving
@@ -23,13 +24,6 @@ from tokenwire.v1 import model_worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 8},
-                   "count": {"type": "integer", "minimum": 0, "maximum": 999},
-                   "ok": {"type": "boolean"}},
-    "required": ["name", "count", "ok"], "additionalProperties": False,
-}
 UNSUPPORTED = {"type": "array", "uniqueItems": True}
 REGEX = r"[a-z]{2,6}-[0-9]{2}"
 CHOICES = ["alpha", "beta", "gamma delta"]
