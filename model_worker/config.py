@@ -50,6 +50,9 @@ class Config(WorkerServerOptions):
     int8_small_batch: bool = field(default=False, metadata={
         "help": "CPU + bfloat16: also keep weight-only int8 weights and use them for steps of <= 4 tokens "
                 "(2-3x faster single-stream decode, +50%% weight memory, int8 rounding on those steps)"})
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "bitwise-identical tokens and logprobs for a request whatever else is batched with it "
+                "(fixed-shape GEMMs, attention one query at a time); trades speed for it, Llama family only"})
     seed: int = field(default=0, metadata={"help": "seed of the shared generator used by unseeded requests"})
     served_model_name: str = field(default="", metadata={"help": "model id to report; default from --model"})
     cache_dir: str = field(default_factory=_default_cache_dir, metadata={
@@ -73,6 +76,8 @@ class Config(WorkerServerOptions):
             raise ValueError("--kv-cache-tokens and --kv-cache-memory-bytes must be >= 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], not {self.gpu_memory_utilization}")
+        if self.int8_small_batch and self.batch_invariant:
+            raise ValueError("--int8-small-batch switches kernels with the step's size; it cannot be batch-invariant")
         if self.int8_small_batch and self.dtype == "float32":
             raise ValueError("--int8-small-batch needs bfloat16 weights (--dtype auto or bfloat16 on a bf16 CPU)")
         self.cache_dir = os.path.expanduser(self.cache_dir)

@@ -67,7 +67,9 @@ class LLMEngine:
         self.max_waiting_requests = max_waiting_requests
         self.max_best_of = max_best_of
         kv = runner.kv_cache
-        self.block_manager = BlockManager(kv.num_blocks, kv.block_size, enable_prefix_caching)
+        # The transformers fallback keeps KV per sequence: no blocks to share by content.
+        self.block_manager = BlockManager(kv.num_blocks, kv.block_size,
+                                          enable_prefix_caching and runner.supports_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler(runner.vocab_size, runner.device)
         # Keys the draws of requests without a seed: random per request, reproducible per worker seed.
@@ -172,6 +174,29 @@ class LLMEngine:
         outputs = [SequenceOutput(seq_id, None, finish_reason=FinishReason.ABORT, num_prompt_tokens=num_prompt,
                                   index=i) for i in indices]
         if outputs:
+            outputs[-1].request_finished = True
+        return outputs
+
+    def abort_outputs(self, seq_id: int, indexes: set[int]) -> list[SequenceOutput]:
+        """Ends only the request's samples at these output indexes (one of n choices hit a stop
+        string) and frees their blocks; the others go on. One ABORT output per ended sample,
+        the last marked request_finished when no sample is left. Only for streaming groups
+        (best_of == n) whose samples have all been forked: before that there is nothing to stop."""
+        group = self.groups.get(seq_id)
+        if group is None or not group.streams or any(s.num_pending_forks for s in group.live_seqs()):
+            return []
+        outputs = []
+        num_prompt = group.seqs[0].num_prompt_tokens
+        for seq in group.live_seqs():
+            if seq.sample_index not in indexes:
+                continue
+            seq.finish_reason = FinishReason.ABORT
+            self._release(seq)
+            group.ended.add(seq.sample_index)
+            outputs.append(SequenceOutput(seq_id, None, finish_reason=FinishReason.ABORT,
+                                          num_prompt_tokens=num_prompt, index=seq.sample_index))
+        if outputs and group.is_finished:
+            del self.groups[seq_id]
             outputs[-1].request_finished = True
         return outputs
 

@@ -69,6 +69,8 @@ class EngineLoop:
         self._owners: dict[int, tuple[StreamOutbox, str]] = {}
         self._pending_adds: list[tuple[StreamOutbox, int, NewRequest]] = []
         self._pending_aborts: list[int] = []
+        # (seq_id, output indexes): aborts of some of a request's n outputs
+        self._pending_output_aborts: list[tuple[int, set[int]]] = []
         self._beam_requests: dict[int, BeamSearchRequest] = {}  # by the request's seq_id
         self._beam_of_round: dict[int, BeamSearchRequest] = {}  # by the seq_id of a round's engine request
         self._wake = asyncio.Event()
@@ -150,6 +152,13 @@ class EngineLoop:
             self._pending_aborts.append(seq_id)
             self._wake.set()
 
+    def abort_outputs(self, outbox: StreamOutbox, request_id: str, indexes: set[int]) -> None:
+        """Ends some of a request's n outputs (see AbortRequest.indexes); the others go on."""
+        seq_id = outbox.live.get(request_id)
+        if seq_id is not None and seq_id not in self._beam_requests:
+            self._pending_output_aborts.append((seq_id, indexes))
+            self._wake.set()
+
     def abort_all(self, outbox: StreamOutbox) -> None:
         for request_id in list(outbox.live):
             self.abort(outbox, request_id)
@@ -186,6 +195,10 @@ class EngineLoop:
                 outputs = self.engine.abort_request(seq_id)
             for out in outputs:
                 outbox.queue.put_nowait((request_id, out))
+        output_aborts, self._pending_output_aborts = self._pending_output_aborts, []
+        for seq_id, indexes in output_aborts:
+            if seq_id in self._owners:  # not already ended by a whole-request abort
+                self._route(self.engine.abort_outputs(seq_id, indexes))
 
     def _add_beam_search(self, outbox: StreamOutbox, seq_id: int, req: NewRequest) -> None:
         try:
@@ -246,7 +259,7 @@ class EngineLoop:
             self._apply_pending()
             if not self.engine.has_work():
                 self._wake.clear()
-                if self._pending_adds or self._pending_aborts:
+                if self._pending_adds or self._pending_aborts or self._pending_output_aborts:
                     continue
                 await self._wake.wait()
                 continue

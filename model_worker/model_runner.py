@@ -1,7 +1,9 @@
 """Owns the model weights and KV cache, and runs one scheduled step's forward pass.
 
-Reads config.json + safetensors directly (no transformers model object), or builds random
-weights from the config for benchmarks; returns the logits of rows that need a new token.
+Picks the model by config.json's `architectures`: the Llama family (llama.py) and GPT-2
+(gpt2.py) run natively over the paged KV cache from safetensors read directly (or random
+weights for benchmarks); any other causal LM runs through transformers (hf_fallback.py, slower).
+Returns the logits of rows that need a new token.
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ from safetensors.torch import load_file
 
 from model_worker.attention_metadata import AttentionMetadata
 from model_worker.kv_cache import PagedKVCache, kv_bytes_per_token, num_kv_blocks
+from model_worker.models import gpt2
+from model_worker.models.gpt2 import GPT2Model, GPT2Shape
+from model_worker.models.hf_fallback import CacheBudget, HFCausalLM, HFShape
+from model_worker.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from model_worker.models.llama import LlamaModel, LlamaShape
-from model_worker.scheduler import SchedulerOutput
+from model_worker.scheduler import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +71,20 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def dummy_weights(shape: LlamaShape, seed: int = 0) -> dict[str, torch.Tensor]:
+def model_shape(config: dict) -> LlamaShape | GPT2Shape | HFShape:
+    """The native shape for config.json's architectures, else HFShape (the transformers path)."""
+    archs = config.get("architectures") or []
+    if any(a in LLAMA_ARCHITECTURES for a in archs):
+        return LlamaShape.from_config(config)
+    if any(a in gpt2.SUPPORTED_ARCHITECTURES for a in archs):
+        return GPT2Shape.from_config(config)
+    return HFShape.from_config(config)
+
+
+def dummy_weights(shape: LlamaShape | GPT2Shape, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights with the checkpoint's names and shapes (std 0.02, norms at 1)."""
+    if isinstance(shape, GPT2Shape):
+        return gpt2.dummy_weights(shape, seed)
     gen = torch.Generator().manual_seed(seed)
     s = shape
 
@@ -93,6 +111,8 @@ def dummy_weights(shape: LlamaShape, seed: int = 0) -> dict[str, torch.Tensor]:
         })
         if s.attention_bias:
             weights.update({p + f"self_attn.{n}_proj.bias": rand(d) for n, d in (("q", q), ("k", kv), ("v", kv))})
+        if s.qk_norm:
+            weights.update({p + f"self_attn.{n}_norm.weight": torch.ones(s.head_dim) for n in "qk"})
     return weights
 
 
@@ -117,22 +137,46 @@ class ModelRunner:
     def __init__(self, model_dir: Path, load_format: str, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int, max_model_len: int, block_size: int = 16, kv_cache_tokens: int = 0,
                  kv_cache_memory_bytes: int = 0, gpu_memory_utilization: float = 0.9,
-                 int8_small_batch: bool = False) -> None:
+                 int8_small_batch: bool = False, batch_invariant: bool = False) -> None:
         config = json.loads((model_dir / "config.json").read_text())
-        self.shape = LlamaShape.from_config(config)
+        self.shape = model_shape(config)
         self.device = device
         self.dtype = dtype
         self.max_model_len = max_model_len
-        # Rotary tables only need the positions we will ever use.
-        self.shape.max_position_embeddings = max(self.shape.max_position_embeddings, max_model_len)
-        weights = dummy_weights(self.shape) if load_format == "dummy" else load_weights(model_dir)
-        self.model = LlamaModel(self.shape, weights, device, dtype, int8_small_batch)
         s = self.shape
+        if batch_invariant and not isinstance(s, LlamaShape):
+            raise ValueError("--batch-invariant is implemented for the Llama family only, "
+                             f"not architectures {config.get('architectures')}")
+        if isinstance(s, HFShape):
+            logger.warning("architectures %s have no native model here: running them through transformers, "
+                           "one sequence at a time, without prefix caching (slower)", s.architectures)
+            if int8_small_batch:
+                raise ValueError("--int8-small-batch is only for natively run architectures "
+                                 "(Llama family, GPT-2), not the transformers fallback")
+            self.model = HFCausalLM(model_dir, s, load_format, device, dtype)
+        else:
+            if isinstance(s, GPT2Shape):
+                if max_model_len > s.max_position_embeddings:
+                    raise ValueError(f"--max-model-len {max_model_len} is beyond GPT-2's {s.max_position_embeddings} "
+                                     "learned positions (n_positions)")
+            else:
+                # Rotary tables only need the positions we will ever use.
+                s.max_position_embeddings = max(s.max_position_embeddings, max_model_len)
+            weights = dummy_weights(s) if load_format == "dummy" else load_weights(model_dir)
+            model_class = GPT2Model if isinstance(s, GPT2Shape) else LlamaModel
+            if model_class is LlamaModel:
+                self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant)
+            else:
+                self.model = model_class(s, weights, device, dtype, int8_small_batch)
         # Sized after the weights are on the device, so a CUDA budget sees what is left.
-        num_blocks = num_kv_blocks(kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, dtype), block_size,
-                                   max_num_seqs, max_model_len, device, kv_cache_tokens, kv_cache_memory_bytes,
-                                   gpu_memory_utilization)
-        self.kv_cache = PagedKVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype, device)
+        bytes_per_token = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, dtype)
+        num_blocks = num_kv_blocks(bytes_per_token, block_size, max_num_seqs, max_model_len, device, kv_cache_tokens,
+                                   kv_cache_memory_bytes, gpu_memory_utilization)
+        if isinstance(s, HFShape):
+            self.kv_cache = CacheBudget(num_blocks, block_size, num_blocks * block_size * bytes_per_token)
+        else:
+            self.kv_cache = PagedKVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype,
+                                         device)
         logger.info("model %s on %s/%s, KV cache %d blocks x %d tokens = %.1f MiB", model_dir.name, device,
                     dtype, num_blocks, block_size, self.kv_cache.num_bytes / 2**20)
 
@@ -140,8 +184,15 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.shape.vocab_size
 
+    @property
+    def supports_prefix_caching(self) -> bool:
+        """False on the transformers path, whose per-sequence caches share no blocks."""
+        return not isinstance(self.model, HFCausalLM)
+
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> StepLogits:
+        if isinstance(self.model, HFCausalLM):
+            return self._execute_per_sequence(self.model, scheduled)
         input_ids: list[int] = []
         prefills: list[tuple[list[int], int, int]] = []
         decodes: list[tuple[list[int], int]] = []
@@ -174,11 +225,38 @@ class ModelRunner:
         out: list[PromptChunkLogits] = []
         row = 0
         for i, chunk in enumerate(scheduled.chunks):
-            seq = chunk.seq
-            # Position p predicts p + 1; only predictions of prompt tokens are prompt logprobs.
-            n = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1) - chunk.start
-            # Not again for a prompt recomputed after preemption: its logprobs went out already.
-            if seq.sampling.prompt_logprobs is not None and not seq.output_token_ids and n > 0:
+            n = num_prompt_logit_rows(chunk)
+            if n:
                 out.append(PromptChunkLogits(i, chunk.start, self.model.logits(hidden[row:row + n])))
             row += chunk.num_tokens
         return out
+
+    @staticmethod
+    def _execute_per_sequence(model: HFCausalLM, scheduled: SchedulerOutput) -> StepLogits:
+        """The transformers path: one forward per chunk on that sequence's own cache."""
+        chunks = scheduled.chunks
+        model.begin_step([(c.seq, c.start) for c in chunks])
+        rows: list[torch.Tensor] = []
+        chunk_indices: list[int] = []
+        prompt_logits: list[PromptChunkLogits] = []
+        for i, chunk in enumerate(chunks):
+            n = num_prompt_logit_rows(chunk)
+            logits = model.forward_chunk(chunk.seq, chunk.start, chunk.num_tokens,
+                                         keep=chunk.num_tokens if n else 1)  # [keep, V]
+            if n:
+                prompt_logits.append(PromptChunkLogits(i, chunk.start, logits[:n]))
+            if chunk.completes_sequence:
+                rows.append(logits[-1])
+                chunk_indices.append(i)
+        logits = torch.stack(rows) if rows else torch.empty(0, model.shape.vocab_size, device=model.device)
+        return StepLogits(logits, chunk_indices, prompt_logits)
+
+
+def num_prompt_logit_rows(chunk: ScheduledChunk) -> int:
+    """How many of the chunk's first positions need logits for prompt logprobs (0: none)."""
+    seq = chunk.seq
+    # Not again for a prompt recomputed after preemption: its logprobs went out already.
+    if seq.sampling.prompt_logprobs is None or seq.output_token_ids:
+        return 0
+    # Position p predicts p + 1; only predictions of prompt tokens are prompt logprobs.
+    return max(0, min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1) - chunk.start)

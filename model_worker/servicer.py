@@ -225,7 +225,10 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                             constraint=constraint_from_proto(add.structured_output),
                         ))
                 for abort in frame.aborts:
-                    self.loop.abort(outbox, abort.request_id)
+                    if abort.indexes:
+                        self.loop.abort_outputs(outbox, abort.request_id, set(abort.indexes))
+                    else:
+                        self.loop.abort(outbox, abort.request_id)
         except asyncio.CancelledError:
             raise
         except Exception:  # the client went away mid-read; Generate's finally aborts

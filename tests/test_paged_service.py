@@ -91,6 +91,36 @@ def test_abort_ends_every_index_and_frees_the_blocks(stub):
     assert (load.kv_blocks_total, load.kv_block_size, load.max_waiting) == (KV_TOKENS // BLOCK, BLOCK, 1024)
 
 
+def test_abort_of_one_output_ends_only_that_one(stub):
+    """AbortRequest.indexes: one of n choices hit a stop string in the detok worker; it stops
+    (ABORT, its blocks freed) while the request's other outputs run to their length."""
+    import queue
+
+    requests: queue.Queue = queue.Queue()
+    requests.put(pb.RequestFrame(adds=[add("o", [1, 2, 3], 100, n=3)]))
+    per_index: dict[int, dict] = {}
+    aborted = False
+    replies = stub.Generate(iter(requests.get, None), timeout=60)
+    for frame in replies:
+        for seq in frame.sequences:
+            r = per_index.setdefault(seq.index, {"num_tokens": 0, "finishes": []})
+            r["num_tokens"] += len(seq.token_ids) // 4
+            if seq.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                r["finishes"].append(seq.finish_reason)
+        if not aborted and per_index.get(1, {}).get("num_tokens", 0) >= 2:
+            aborted = True
+            requests.put(pb.RequestFrame(aborts=[pb.AbortRequest(request_id="o", indexes=[1])]))
+        if all(per_index.get(i, {}).get("finishes") for i in range(3)):
+            break
+    requests.put(None)
+    replies.cancel()
+    assert per_index[1]["finishes"] == [pb.FINISH_REASON_ABORT] and per_index[1]["num_tokens"] < 100
+    for i in (0, 2):
+        assert per_index[i] == {"num_tokens": 100, "finishes": [pb.FINISH_REASON_LENGTH]}
+    load = stub.GetLoad(pb.GetLoadRequest(), timeout=10)
+    assert load.kv_blocks_used == 0 and load.num_running == 0
+
+
 @pytest.mark.parametrize("n, best_of, message", [
     (-1, 0, "n must be >= 1"),
     (3, 2, "best_of must be >= n"),

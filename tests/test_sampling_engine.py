@@ -1,9 +1,12 @@
 """The sampler inside the engine (tiny random model): seeded requests replay identically whatever
-else runs, rejected params get clear messages, and prompt logprobs come with the first token."""
+else runs (bitwise, logprobs included, under --batch-invariant), rejected params get clear
+messages, and prompt logprobs come with the first token."""
 
 from __future__ import annotations
 
 import math
+from array import array
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -27,8 +30,8 @@ def run_engine(runner, requests: dict[int, tuple[list[int], SamplingParams, int]
                        max_waiting_requests=100, seed=seed)
     for rid, (prompt, params, max_tokens) in requests.items():
         engine.add_request(rid, prompt, params, max_tokens, [], True)
-    results = {rid: {"tokens": [], "logprobs": [], "top": [], "prompt": None, "cumulative": None}
-               for rid in requests}
+    results = {rid: {"tokens": [], "logprobs": [], "top": [], "top_logprobs": [], "prompt": None,
+                     "cumulative": None} for rid in requests}
     while engine.has_work():
         for out in engine.step():
             r = results[out.seq_id]
@@ -36,6 +39,7 @@ def run_engine(runner, requests: dict[int, tuple[list[int], SamplingParams, int]
                 r["tokens"].append(out.token_id)
                 r["logprobs"].append(out.logprob)
                 r["top"].append(out.top_token_ids)
+                r["top_logprobs"].append(out.top_logprobs)
                 r["cumulative"] = out.cumulative_logprob
             if out.prompt_logprobs is not None:
                 r["prompt"] = out.prompt_logprobs
@@ -76,6 +80,43 @@ def test_seeded_request_is_identical_alone_and_amid_15_others(runner):
     # (test_sampler.py checks that on fixed logits).
     assert amid[1]["logprobs"] == pytest.approx(alone["logprobs"], abs=1e-5)
     assert all(len(r["tokens"]) == requests[rid][2] for rid, r in amid.items())
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def invariant_runner(request, tiny_model_dir):
+    return ModelRunner(tiny_model_dir, "dummy", CPU, request.param, max_num_seqs=16, max_model_len=256,
+                       batch_invariant=True)
+
+
+def same_bits(a: list[float], b: list[float]) -> bool:
+    """Bitwise equal lists of floats (NaN placeholders included)."""
+    return array("d", a).tobytes() == array("d", b).tobytes()
+
+
+def test_batch_invariant_mode_gives_bitwise_identical_logprobs_alone_and_amid_15_others(invariant_runner):
+    prompt = [(11 * j) % 3000 + 7 for j in range(40)]
+    params = replace(SEEDED, prompt_logprobs=2)
+    # The whole 40-token prompt in one chunk, alone: the reference.
+    alone = run_engine(invariant_runner, {1: (prompt, params, 12)})[1]
+    crowd = other_requests(15)
+    requests = dict(list(crowd.items())[:7]) | {1: (prompt, params, 12)} | dict(list(crowd.items())[7:])
+    # Other prefill splits (7-token chunks alone; behind 126 prompt tokens of 7 others in 64- and
+    # 29-token steps) and other batches: rows, neighbours' lengths and decode batch sizes all differ.
+    runs = {"alone, 7-token steps": run_engine(invariant_runner, {1: (prompt, params, 12)}, max_num_batched_tokens=7),
+            "amid 15, 64-token steps": run_engine(invariant_runner, requests, max_num_batched_tokens=64),
+            "amid 15, 29-token steps": run_engine(invariant_runner, requests, max_num_batched_tokens=29)}
+    assert len(alone["tokens"]) == 12 and len(alone["prompt"].logprobs) == len(prompt)
+    for name, results in runs.items():
+        r = results[1]
+        assert r["tokens"] == alone["tokens"], name
+        assert r["top"] == alone["top"], name
+        assert same_bits(r["logprobs"], alone["logprobs"]), name
+        assert all(same_bits(a, b) for a, b in zip(r["top_logprobs"], alone["top_logprobs"], strict=True)), name
+        assert r["prompt"].top_token_ids == alone["prompt"].top_token_ids, name
+        assert same_bits(r["prompt"].logprobs, alone["prompt"].logprobs), name
+        assert same_bits(r["prompt"].top_logprobs, alone["prompt"].top_logprobs), name
+    crowded = runs["amid 15, 29-token steps"]
+    assert all(len(r["tokens"]) == requests[rid][2] for rid, r in crowded.items())
 
 
 def test_unseeded_requests_draw_differently(runner):

@@ -1,1 +1,2 @@
-"""Model architectures the worker runs natively, each reading and writing the slot KV cache."""
+"""Model architectures: native ones (llama.py, gpt2.py) read and write the paged KV cache
+through attention.py; hf_fallback.py runs any other transformers causal LM, slower."""

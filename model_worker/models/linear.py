@@ -14,6 +14,9 @@ import torch.nn.functional as F
 
 # Steps of at most this many tokens use the int8 copy (crossover measured near 8 tokens).
 INT8_MAX_TOKENS = 4
+# --batch-invariant: every GEMM has this many rows. Smaller tiles waste less on a 1-token
+# decode, larger ones run prefill faster; 16 kept float32 within ~2x of the default at 32 rows.
+BATCH_INVARIANT_ROW_TILE = 16
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,19 +34,43 @@ def int8_small_batch_supported(weight: torch.Tensor) -> bool:
 class Linear:
     """y [T, N] = x [T, K] @ weight [N, K]^T (+ bias)."""
 
-    __slots__ = ("weight", "bias", "int8_weight", "int8_scales")
+    __slots__ = ("weight", "bias", "int8_weight", "int8_scales", "row_tile")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_small_batch: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_small_batch: bool = False,
+                 row_tile: int = 0):
         self.weight = weight
         self.bias = bias
+        # > 0: batch-invariant mode, every GEMM has exactly row_tile rows (see _tiled).
+        self.row_tile = row_tile
         self.int8_weight = self.int8_scales = None
+        if int8_small_batch and row_tile:
+            raise ValueError("int8 small-batch weights switch kernels with the step's size; not batch-invariant")
         if int8_small_batch:
             if not int8_small_batch_supported(weight):
                 raise ValueError("int8 small-batch weights need bfloat16 weights on the CPU")
             self.int8_weight, self.int8_scales = quantize_int8_per_channel(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_tile:
+            return self._tiled(x)
         if self.int8_weight is not None and x.shape[0] <= INT8_MAX_TOKENS:
             y = torch.ops.aten._weight_int8pack_mm(x, self.int8_weight, self.int8_scales)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, N] as GEMMs of exactly row_tile rows (the last zero-padded).
+
+        BLAS picks its blocking, kernels and K-splitting from the matrix shape, so a row's
+        result depends on how many rows share its GEMM; with one fixed shape every call takes
+        the same path, and a row's dot products do not read the tile's other rows
+        (bench/batch_invariance_probe.py checks that on this CPU, tests/test_batch_invariant.py
+        in the suite).
+        """
+        num_tokens, tile = x.shape[0], self.row_tile
+        if num_tokens == 0:  # a step where no chunk completes its sequence
+            return F.linear(x, self.weight, self.bias)
+        padded = -(-num_tokens // tile) * tile
+        x = F.pad(x, (0, 0, 0, padded - num_tokens)) if padded != num_tokens else x.contiguous()  # [T', K]
+        tiles = [F.linear(x[start:start + tile], self.weight, self.bias) for start in range(0, padded, tile)]
+        return torch.cat(tiles)[:num_tokens]  # [T, N]

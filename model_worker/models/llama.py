@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over ragged token batches.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over ragged token batches.
 
 Linear layers run on all of a step's tokens at once ([T, hidden]); only attention splits by
 sequence, reading and writing the paged KV cache through block tables, so prefill chunks and
@@ -15,9 +15,11 @@ import torch.nn.functional as F
 
 from model_worker.attention_metadata import AttentionMetadata
 from model_worker.kv_cache import PagedKVCache
-from model_worker.models.linear import Linear
+from model_worker.models.attention import paged_attention
+from model_worker.models.batch_invariant_attention import per_query_attention
+from model_worker.models.linear import BATCH_INVARIANT_ROW_TILE, Linear
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass
@@ -34,6 +36,7 @@ class LlamaShape:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
 
     @classmethod
     def from_config(cls, config: dict) -> LlamaShape:
@@ -43,6 +46,8 @@ class LlamaShape:
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ValueError(f"rope scaling {rope.get('rope_type')!r} is not supported yet")
+        if config.get("use_sliding_window"):
+            raise ValueError("sliding-window attention (use_sliding_window) is not supported yet")
         num_heads = config["num_attention_heads"]
         return cls(
             vocab_size=config["vocab_size"],
@@ -57,6 +62,7 @@ class LlamaShape:
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=config.get("attention_bias", False) or "Qwen2ForCausalLM" in archs,
+            qk_norm="Qwen3ForCausalLM" in archs,
         )
 
 
@@ -75,11 +81,15 @@ class LlamaModel:
     """Weights as plain tensors; forward(input_ids [T], metadata) -> hidden [T, hidden]."""
 
     def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, int8_small_batch: bool = False) -> None:
+                 dtype: torch.dtype, int8_small_batch: bool = False, batch_invariant: bool = False) -> None:
         self.shape = shape
         self.device = device
         self.dtype = dtype
         s = shape
+        # --batch-invariant: fixed-shape GEMMs and per-query attention, so a token's hidden
+        # states (and logits) are bitwise the same whatever shares its step.
+        row_tile = BATCH_INVARIANT_ROW_TILE if batch_invariant else 0
+        self.attention = per_query_attention if batch_invariant else paged_attention
 
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=device, dtype=dtype).contiguous()
@@ -96,17 +106,21 @@ class LlamaModel:
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             self.layers.append({
                 "input_norm": take(p + "input_layernorm.weight"),
-                "qkv": Linear(qkv, qkv_bias, int8_small_batch),
-                "o": Linear(take(p + "self_attn.o_proj.weight"), None, int8_small_batch),
+                "qkv": Linear(qkv, qkv_bias, int8_small_batch, row_tile),
+                "o": Linear(take(p + "self_attn.o_proj.weight"), None, int8_small_batch, row_tile),
                 "post_norm": take(p + "post_attention_layernorm.weight"),
-                "gate_up": Linear(gate_up, None, int8_small_batch),
-                "down": Linear(take(p + "mlp.down_proj.weight"), None, int8_small_batch),
+                "gate_up": Linear(gate_up, None, int8_small_batch, row_tile),
+                "down": Linear(take(p + "mlp.down_proj.weight"), None, int8_small_batch, row_tile),
             })
+            if s.qk_norm:
+                # q's and k's per-head norm weights stacked [H + Hkv, D], to norm qk in one op.
+                self.layers[-1]["qk_norm"] = torch.cat([take(p + "self_attn.q_norm.weight").expand(s.num_heads, -1),
+                                                        take(p + "self_attn.k_norm.weight").expand(s.num_kv_heads, -1)])
         self.norm = take("model.norm.weight")
         if s.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = Linear(self.embed, None, int8_small_batch)
+            self.lm_head = Linear(self.embed, None, int8_small_batch, row_tile)
         else:
-            self.lm_head = Linear(take("lm_head.weight"), None, int8_small_batch)
+            self.lm_head = Linear(take("lm_head.weight"), None, int8_small_batch, row_tile)
         # Rotary tables in float32 for every position, computed as transformers computes
         # them (outer product in float32, cos/sin, then cast) so positions match exactly.
         inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))
@@ -130,11 +144,13 @@ class LlamaModel:
             # Rotary on q and k together ([T, H + Hkv, D]): half the ops of two separate calls,
             # which matters at decode, where per-op overhead is most of the step.
             qk = qkv[:, :q_size + kv_size].view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim)
+            if s.qk_norm:
+                qk = rms_norm(qk, layer["qk_norm"], s.rms_norm_eps)
             qk = qk * cos + rotate_half(qk) * sin
             q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
             v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim)
             kv.write(i, meta.slot_mapping, k, v)
-            attn = self._attention(i, q, k, v, meta, kv)  # [T, H * D]
+            attn = self.attention(i, q, k, v, meta, kv, self.scale)  # [T, H * D]
             x = x + layer["o"](attn)
             h = rms_norm(x, layer["post_norm"], s.rms_norm_eps)
             gate, up = layer["gate_up"](h).chunk(2, dim=-1)
@@ -144,48 +160,3 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, V] in float32 for the sampler."""
         return self.lm_head(hidden).float()
-
-    def _attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                   kv: PagedKVCache) -> torch.Tensor:
-        """q [T, H, D], this step's k/v [T, Hkv, D] (already in the cache) -> [T, H * D]."""
-        s = self.shape
-        gqa = s.num_kv_heads != s.num_heads
-        out = torch.empty_like(q)  # [T, H, D]
-        k_cache, v_cache = kv.key[layer], kv.value[layer]  # [num_blocks, block_size, Hkv, D]
-        for seg in meta.prefills:
-            rows = slice(seg.start, seg.start + seg.num_tokens)
-            query = q[rows].transpose(0, 1)[None]  # [1, H, n, D]
-            if seg.block_ids is None:
-                # Nothing cached before this chunk: its own keys are all it attends to.
-                keys = k[rows].transpose(0, 1)[None]  # [1, Hkv, n, D]
-                values = v[rows].transpose(0, 1)[None]
-            else:
-                end = seg.context_len + seg.num_tokens
-                # [nb, block_size, Hkv, D] -> [nb * block_size, Hkv, D] -> first `end` positions
-                keys = k_cache.index_select(0, seg.block_ids).flatten(0, 1)[:end].transpose(0, 1)[None]
-                values = v_cache.index_select(0, seg.block_ids).flatten(0, 1)[:end].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=seg.mask, is_causal=seg.mask is None,
-                scale=self.scale, enable_gqa=gqa,
-            )  # [1, H, n, D]
-            out[rows] = o[0].transpose(0, 1)
-        if meta.decode is not None:
-            d = meta.decode
-            batch, max_blocks = d.block_tables.shape
-            query = q[d.start:d.start + batch][:, :, None, :]  # [B, H, 1, D]
-            # One index_select over all sequences' blocks, then a strided view [B, Hkv, L, D]:
-            # token-major blocks need no copy after the gather (see kv_cache.PagedKVCache).
-            flat = d.block_tables.view(-1)
-            length = max_blocks * kv.block_size
-            keys = k_cache.index_select(0, flat).view(batch, length, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            values = v_cache.index_select(0, flat).view(batch, length, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            if query.device.type == "cpu" and query.dtype != torch.float32:
-                # torch's CPU SDPA kernel is ~8x slower in bf16 than in float32 for one-token
-                # queries with a mask (8.5 vs 1.0 ms at B=32, L=144, measured); the upcast
-                # costs far less than that.
-                query, keys, values = query.float(), keys.float(), values.float()
-            o = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=d.mask, scale=self.scale, enable_gqa=gqa,
-            )  # [B, H, 1, D]
-            out[d.start:d.start + batch] = o[:, :, 0, :]
-        return out.view(q.shape[0], s.num_heads * s.head_dim)

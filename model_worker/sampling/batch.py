@@ -49,7 +49,9 @@ class FilterStep:
 
 # The two chains (SamplerOrder); penalties, bias and masks come before either.
 DEFAULT_CHAIN = ("temperature", "top_k", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc")
-LLAMA_CPP_CHAIN = ("top_k", "typical_p", "top_p", "min_p", "xtc", "top_n_sigma", "temperature")
+# llama.cpp's default order (common_params_sampling::samplers): top-n-sigma first, so its mean and
+# std are over the whole vocabulary, not over what top_k etc. left.
+LLAMA_CPP_CHAIN = ("top_n_sigma", "top_k", "typical_p", "top_p", "min_p", "xtc", "temperature")
 
 
 def _step_values(p: SamplingParams, name: str, vocab_size: int) -> list[float] | None:

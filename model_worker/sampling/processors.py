@@ -162,3 +162,27 @@ def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask[:, :, None] >> shifts) & 1  # [S, W, 32]
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+# Candidates beyond k that topk_lowest_id_first takes, so ties at the k-th place are usually all in.
+_TIE_MARGIN = 8
+
+
+def topk_lowest_id_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S, V] -> (values, ids) [S, k]: x.topk(k) with equal values in ascending id order.
+
+    torch.topk leaves the order of equal values, and which of them make the cut at the k-th
+    place, to the kernel, and they changed with k (the batch's largest top_logprobs): with
+    bfloat16 logits, where ties are common, a request's top logprobs then depended on what else
+    was in its batch. k + _TIE_MARGIN candidates hold every value equal to the k-th unless the
+    last candidate equals it too; only such rows pay for a full stable sort.
+    """
+    num = min(k + _TIE_MARGIN, x.shape[-1])
+    values, ids = x.topk(num, dim=-1)  # [S, num], descending
+    spill = (values[:, -1] == values[:, k - 1]).nonzero()[:, 0] if num < x.shape[-1] else ids[:0, 0]
+    if spill.numel():
+        full_values, full_ids = x[spill].sort(dim=-1, descending=True, stable=True)
+        values[spill], ids[spill] = full_values[:, :num], full_ids[:, :num]
+    ids, by_id = ids.sort(dim=-1)
+    values, by_value = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], ids.gather(-1, by_value[:, :k])

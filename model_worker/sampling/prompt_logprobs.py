@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model_worker.sampling.processors import topk_lowest_id_first
+
 
 @dataclass
 class PromptLogprobs:
@@ -49,7 +51,7 @@ class PromptLogprobs:
         log_probs = logits.float().log_softmax(dim=-1)  # [n, V]
         self.logprobs.extend(log_probs.gather(-1, targets[:, None])[:, 0].tolist())
         if self.num_top:
-            top_lps, top_ids = log_probs.topk(self.num_top, dim=-1)
+            top_lps, top_ids = topk_lowest_id_first(log_probs, self.num_top)
             self.top_token_ids.extend(top_ids.flatten().tolist())
             self.top_logprobs.extend(top_lps.flatten().tolist())
 

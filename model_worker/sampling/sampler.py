@@ -102,13 +102,16 @@ class Sampler:
         if b.repetition is not None:
             seen = _select(state.seen, b.repetition.rows)
             x = _on_rows(x, b.repetition, lambda sub, v: penalties.apply_sign_aware_penalty(sub, seen, v))
+        # The multiplicative penalties before the subtractive ones, as llama.cpp's penalties sampler
+        # (divide or multiply by repeat, then subtract frequency and presence) and vLLM do: the
+        # other way round the repeat penalty would scale the presence/frequency amounts too.
+        if b.repeat is not None:
+            in_window = _select(state.window_counts, b.repeat.rows) > 0
+            x = _on_rows(x, b.repeat, lambda sub, v: penalties.apply_sign_aware_penalty(sub, in_window, v))
         if b.presence_frequency is not None:
             counts = _select(state.output_counts, b.presence_frequency.rows)
             x = _on_rows(x, b.presence_frequency,
                          lambda sub, v: penalties.apply_presence_frequency(sub, counts, v[:, :1], v[:, 1:]))
-        if b.repeat is not None:
-            in_window = _select(state.window_counts, b.repeat.rows) > 0
-            x = _on_rows(x, b.repeat, lambda sub, v: penalties.apply_sign_aware_penalty(sub, in_window, v))
         if b.dry is not None:
             x = self._apply_dry(b, x)
         x = self._apply_masks(b, x, seqs, bitmask)
@@ -204,14 +207,14 @@ class Sampler:
         raw = logits.log_softmax(dim=-1)  # [S, V]
         raw_chosen = raw.gather(-1, index)[:, 0]
         k = b.max_top_logprobs
-        top_lps, top_ids = raw.topk(k, dim=-1) if k > 0 else (None, None)
+        top_lps, top_ids = processors.topk_lowest_id_first(raw, k) if k > 0 else (None, None)
         if b.processed_logprobs is None:
             return SamplerOutput(token_ids, raw_chosen, raw_chosen, top_ids, top_lps)
         processed = final.log_softmax(dim=-1)  # [S, V]; greedy rows: penalties and masks only
         pick = b.processed_logprobs  # [S]
         chosen = torch.where(pick, processed.gather(-1, index)[:, 0], raw_chosen)
         if k > 0:
-            proc_lps, proc_ids = processed.topk(k, dim=-1)
+            proc_lps, proc_ids = processors.topk_lowest_id_first(processed, k)
             top_lps = torch.where(pick[:, None], proc_lps, top_lps)
             top_ids = torch.where(pick[:, None], proc_ids, top_ids)
         return SamplerOutput(token_ids, chosen, raw_chosen, top_ids, top_lps)

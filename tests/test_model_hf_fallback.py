@@ -1,0 +1,136 @@
+"""The transformers fallback: an architecture with no native model (tiny random GPT-NeoX and OPT,
+saved as safetensors) runs through the engine with transformers' greedy tokens, including
+chunked prefill, n > 1 forks and preemption under a small KV budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model_worker.engine import LLMEngine
+from model_worker.model_runner import ModelRunner
+from model_worker.models.hf_fallback import HFCausalLM
+from model_worker.sequence import SamplingParams, Sequence
+from tests.tiny_hf_models import PROMPTS, engine_greedy, hf_greedy, save_tiny_model
+
+CPU = torch.device("cpu")
+
+
+def _gpt_neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    return GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=256, rotary_pct=0.5, bos_token_id=1, eos_token_id=2))
+
+
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return OPTForCausalLM(OPTConfig(
+        vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+        word_embed_proj_dim=64, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+
+
+BUILDERS = {"GPTNeoXForCausalLM": _gpt_neox, "OPTForCausalLM": _opt}
+
+
+def tiny_model(tmp_path, tiny_model_dir, architecture: str):
+    torch.manual_seed(0)
+    model = BUILDERS[architecture]().eval()
+    with torch.no_grad():  # beyond the small init, so every layer moves the logits
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model, save_tiny_model(model, tmp_path, tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def neox(tmp_path_factory, tiny_model_dir):
+    return tiny_model(tmp_path_factory.mktemp("neox"), tiny_model_dir, "GPTNeoXForCausalLM")
+
+
+@pytest.mark.parametrize("architecture", list(BUILDERS))
+def test_ragged_steps_match_transformers(tmp_path, tiny_model_dir, architecture):
+    model, model_dir = tiny_model(tmp_path, tiny_model_dir, architecture)
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == [architecture]
+    runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=8, max_model_len=128)
+    assert isinstance(runner.model, HFCausalLM)
+    assert not runner.supports_prefix_caching
+    # A 7-token budget pushes the 37-token prompt through 6 chunks beside the others' decodes.
+    outputs = engine_greedy(runner, PROMPTS, max_tokens=8, step_budget=7)
+    for i, prompt in enumerate(PROMPTS):
+        tokens = [o.token_id for o in outputs[i]]
+        assert tokens == hf_greedy(model, prompt, 8)
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt + tokens[:-1]])).logits[0].log_softmax(-1)  # [len - 1, V]
+        for j, out in enumerate(outputs[i]):
+            assert abs(out.logprob - float(ref[len(prompt) - 1 + j, out.token_id])) < 1e-4
+
+
+def test_forks_and_preemption_give_transformers_tokens(neox):
+    model, model_dir = neox
+    # Room for 64 tokens in all: four sequences of up to 45 tokens preempt each other.
+    runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=8, max_model_len=64,
+                         kv_cache_tokens=64)
+    engine = LLMEngine(runner, [], max_num_seqs=8, max_num_batched_tokens=16, max_waiting_requests=16)
+    assert not engine.block_manager.enable_prefix_caching
+    prompts = {0: PROMPTS[0], 1: PROMPTS[2], 2: PROMPTS[3]}
+    engine.add_request(0, prompts[0], SamplingParams(), 8, [], True)
+    engine.add_request(1, prompts[1], SamplingParams(), 8, [], True, n=3)
+    engine.add_request(2, prompts[2], SamplingParams(), 8, [], True)
+    tokens: dict[tuple[int, int], list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.token_id is not None:
+                tokens.setdefault((out.seq_id, out.index), []).append(out.token_id)
+    assert engine.scheduler.num_preemptions > 0
+    assert sorted(tokens) == [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0)]
+    expected = {rid: hf_greedy(model, prompt, 8) for rid, prompt in prompts.items()}
+    for (rid, _), got in tokens.items():
+        assert got == expected[rid]
+    # Caches of finished sequences go at the next step's start (here: by hand), none stay.
+    runner.model.drop_freed_caches()
+    assert runner.model.num_cached_sequences == 0
+
+
+def test_fork_copies_the_parent_cache_instead_of_recomputing(neox):
+    _, model_dir = neox
+    runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=4, max_model_len=64)
+    hf = runner.model
+    prompt = PROMPTS[3]
+    parent = Sequence(0, list(prompt), SamplingParams(), 4, frozenset(), block_table=[0])
+    hf.begin_step([(parent, 0)])
+    first = int(hf.forward_chunk(parent, 0, len(prompt), keep=1)[0].argmax())
+    parent.output_token_ids.append(first)
+    child = Sequence(1, list(prompt), SamplingParams(), 4, frozenset(), output_token_ids=[first], block_table=[0])
+    hf.begin_step([(parent, len(prompt)), (child, len(prompt))])
+    assert hf.num_cached_sequences == 2  # the child got a copy before either decoded
+    parent_logits = hf.forward_chunk(parent, len(prompt), 1, keep=1)
+    child_logits = hf.forward_chunk(child, len(prompt), 1, keep=1)
+    assert torch.equal(parent_logits, child_logits)
+    parent.block_table = []  # freed, as the block manager does on finish
+    hf.begin_step([])
+    assert hf.num_cached_sequences == 1
+
+
+def test_prompt_logprobs_match_transformers(neox):
+    model, model_dir = neox
+    runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=8, max_model_len=128)
+    prompt = PROMPTS[0]
+    out = engine_greedy(runner, [prompt], max_tokens=1, step_budget=10, prompt_logprobs=0)[0][0]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)  # [n, V]
+    expected = [float(ref[p - 1, prompt[p]]) for p in range(1, len(prompt))]
+    got = out.prompt_logprobs.logprobs[1:]
+    assert len(got) == len(expected)
+    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
+
+
+def test_architecture_transformers_cannot_build_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["NoSuchForCausalLM"], "model_type": "no_such_model", "vocab_size": 100,
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}))
+    with pytest.raises(ValueError, match="NoSuchForCausalLM"):
+        ModelRunner(tmp_path, "dummy", CPU, torch.float32, max_num_seqs=2, max_model_len=64)

@@ -1,0 +1,47 @@
+"""Helpers for architecture tests: save a tiny random transformers model as a model dir, run
+greedy requests through the engine, and get transformers' own greedy tokens to compare."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from model_worker.engine import LLMEngine
+from model_worker.model_runner import ModelRunner
+from model_worker.sequence import SamplingParams
+
+# Different lengths, one longer than the step budgets the tests use, so prefill chunks run
+# next to decodes of the shorter prompts.
+PROMPTS = [list(range(3, 40)), [7, 8], [9, 10, 11, 12], [500, 1200, 33, 4000, 17, 2]]
+
+
+def save_tiny_model(model, out: Path, tokenizer_dir: Path) -> Path:
+    """model.save_pretrained (safetensors) into out, with tokenizer_dir's tokenizer files."""
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tokenizer_dir / name).exists():
+            (out / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return out
+
+
+def engine_greedy(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, step_budget: int,
+                  **params) -> dict[int, list]:
+    """Greedy outputs (SequenceOutput lists, by prompt index) with logprobs, no stop tokens."""
+    engine = LLMEngine(runner, [], max_num_seqs=8, max_num_batched_tokens=step_budget, max_waiting_requests=16)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(i, prompt, SamplingParams(logprobs=True, **params), max_tokens=max_tokens,
+                           stop_token_ids=[], ignore_eos=True)
+    outputs: dict[int, list] = {i: [] for i in range(len(prompts))}
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.seq_id].append(out)
+    return outputs
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' own greedy generate, never stopping early."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
