@@ -30,7 +30,7 @@ from detok_worker.stop_strings import StopStringMatcher  # noqa: E402
 from detok_worker.stream import DetokenizeStream  # noqa: E402
 from detok_worker.token_bytes import TokenizerDecoding  # noqa: E402
 from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
-from tokenwire.packing import pack_int32  # noqa: E402
+from tokenwire.packing import pack_int32, unpack_int32  # noqa: E402
 from tokenwire.v1 import common_pb2  # noqa: E402
 from tokenwire.v1 import detok_worker_pb2 as pb  # noqa: E402
 
@@ -84,6 +84,41 @@ def run_frame_loop(decoding: TokenizerDecoding, seqs: list[list[int]], tokens_pe
     for reply in replies:
         for delta in reply.deltas:
             texts[delta.sequence_id] += delta.text
+    return seconds, list(texts.values())
+
+
+def run_column_loop(decoding: TokenizerDecoding, seqs: list[list[int]], tokens_per_frame: int) -> tuple[float, list[str]]:
+    """The same frames in the column form (TokenColumns / TextColumns, OpenSequence.handle)."""
+    stream = DetokenizeStream(open_decoding=lambda _identity: decoding)
+    names = [f"seq-{i}" for i in range(len(seqs))]
+    handles = list(range(1, len(seqs) + 1))
+    identity = common_pb2.TokenizerIdentity(path="bench")
+    stream.apply(pb.DetokenizeFrame(opens=[
+        pb.OpenSequence(sequence_id=name, tokenizer=identity, skip_special_tokens=True, stop=STOPS, handle=handle)
+        for name, handle in zip(names, handles, strict=True)
+    ]))
+    num_tokens = len(seqs[0])
+    packed_handles = pack_int32(handles)
+    frames = []
+    for start in range(0, num_tokens, tokens_per_frame):
+        end = min(start + tokens_per_frame, num_tokens)
+        frames.append(pb.DetokenizeFrame(columns=pb.TokenColumns(
+            handles=packed_handles, num_tokens=pack_int32([end - start] * len(seqs)),
+            token_ids=pack_int32([i for ids in seqs for i in ids[start:end]]),
+            finished_handles=packed_handles if end == num_tokens else b"")))
+    began = time.process_time()
+    replies = [stream.apply(frame) for frame in frames]
+    seconds = time.process_time() - began
+    texts = dict.fromkeys(names, "")
+    for reply in replies:
+        for delta in reply.deltas:
+            texts[delta.sequence_id] += delta.text
+        columns = reply.columns
+        offset = 0
+        for handle, length in zip(unpack_int32(columns.handles).tolist(),
+                                  unpack_int32(columns.text_lengths).tolist(), strict=True):
+            texts[names[handle - 1]] += columns.text[offset:offset + length].decode("utf-8")
+            offset += length
     return seconds, list(texts.values())
 
 
@@ -141,6 +176,8 @@ def main() -> None:
         for label, dec in (("tiktoken", decoding), ("python table", table_only)):
             methods[f"frame loop, {k} tok/seq/frame, {label}"] = (
                 args.sequences * args.tokens, lambda d=dec, k=k: run_frame_loop(d, seqs, k))
+        methods[f"column path, {k} tok/seq/frame, tiktoken"] = (
+            args.sequences * args.tokens, lambda k=k: run_column_loop(decoding, seqs, k))
     methods["DecodeStream.step per token (+ stops)"] = (args.sequences * args.tokens,
                                                         lambda: run_decode_stream(tokenizer, seqs))
     methods[f"naive full re-decode per token ({len(sample)} seqs)"] = (len(sample) * args.tokens,
@@ -153,7 +190,7 @@ def main() -> None:
                 continue  # O(n^2) and only there for scale: once is enough
             seconds, texts = run()
             best[name] = min(seconds, best.get(name, seconds))
-            if name.startswith("frame loop"):
+            if name.startswith(("frame loop", "column path")):
                 assert texts == expected, "frame loop output differs from tokenizer.decode"
             elif name.startswith("DecodeStream"):
                 # DecodeStream has no flush: a sequence ending inside a character loses its last piece.

@@ -4,7 +4,8 @@ Sits beside the detok worker, not in it: starts `python -m detok_worker` on a fr
 streams the frames a model worker's decode steps would cause (256 interleaved sequences, k
 tokens each per frame, 2 stop strings each) over one Detokenize stream, writing and reading
 concurrently; checks every text against tokenizer.decode and reports tokens/s end to end
-(wall clock) and per CPU-second of the worker process.
+(wall clock) and per CPU-second of the worker process, for the message form (one SequenceTokenIds
+and TextDelta per sequence) and the column form (TokenColumns / TextColumns) in turn.
 
     .venv/bin/python bench/bench_detok_grpc.py --sequences 256 --tokens 128 --tokens-per-frame 1,4,16
 """
@@ -28,7 +29,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench.bench_detok import STOPS, corpus_ids, sequences_ids  # noqa: E402
 from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
 from tokenwire.grpc_server import CHANNEL_OPTIONS  # noqa: E402
-from tokenwire.packing import pack_int32  # noqa: E402
+from tokenwire.packing import pack_int32, unpack_int32  # noqa: E402
 from tokenwire.stack import ServiceProcess, free_port, spawn, wait_grpc_serving  # noqa: E402
 from tokenwire.tokenizer_files import tokenizer_identity  # noqa: E402
 from tokenwire.v1 import common_pb2, detok_worker_pb2_grpc  # noqa: E402
@@ -43,14 +44,24 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def build_frames(identity: common_pb2.TokenizerIdentity, seqs: list[list[int]], run: int,
-                 tokens_per_frame: int) -> tuple[pb.DetokenizeFrame, list[pb.DetokenizeFrame], list[str]]:
+                 tokens_per_frame: int, columns: bool = False
+                 ) -> tuple[pb.DetokenizeFrame, list[pb.DetokenizeFrame], list[str]]:
     names = [f"run{run}-seq{i}" for i in range(len(seqs))]
+    # Handle i + 1 is names[i]; each run's sequences finish before the next run opens them again.
     opens = pb.DetokenizeFrame(opens=[
-        pb.OpenSequence(sequence_id=name, tokenizer=identity, skip_special_tokens=True, stop=STOPS) for name in names])
+        pb.OpenSequence(sequence_id=name, tokenizer=identity, skip_special_tokens=True, stop=STOPS,
+                        handle=i + 1 if columns else 0) for i, name in enumerate(names)])
     num_tokens = len(seqs[0])
+    handles = pack_int32(range(1, len(seqs) + 1))
     frames = []
     for start in range(0, num_tokens, tokens_per_frame):
         end = min(start + tokens_per_frame, num_tokens)
+        if columns:
+            frames.append(pb.DetokenizeFrame(columns=pb.TokenColumns(
+                handles=handles, num_tokens=pack_int32([end - start] * len(seqs)),
+                token_ids=pack_int32([i for ids in seqs for i in ids[start:end]]),
+                finished_handles=handles if end == num_tokens else b"")))
+            continue
         frames.append(pb.DetokenizeFrame(tokens=[
             pb.SequenceTokenIds(sequence_id=name, token_ids=pack_int32(ids[start:end]), finished=end == num_tokens)
             for name, ids in zip(names, seqs, strict=True)]))
@@ -78,6 +89,12 @@ async def stream_frames(address: str, opens: pb.DetokenizeFrame, frames: list[pb
             for delta in reply.deltas:
                 assert not delta.error, delta.error
                 texts[delta.sequence_id] += delta.text
+            columns = reply.columns
+            offset = 0
+            for handle, length in zip(unpack_int32(columns.handles).tolist(),
+                                      unpack_int32(columns.text_lengths).tolist(), strict=True):
+                texts[names[handle - 1]] += columns.text[offset:offset + length].decode("utf-8")
+                offset += length
         seconds = time.perf_counter() - began
         await writer
         return seconds, texts
@@ -114,24 +131,27 @@ def main() -> None:
         num_tokens = args.sequences * args.tokens
         print(f"SmolLM2 tokenizer, {args.sequences} sequences x {args.tokens} tokens, stops {STOPS!r}; "
               f"detok worker pid {worker.process.pid} on {address}; best of {args.repeats}")
-        print(f"{'tok/seq/frame':>13} {'frames':>7} {'wall s':>8} {'tokens/s (wall)':>16} "
-              f"{'worker CPU s':>13} {'tokens/worker-CPU-s':>20}")
+        print(f"{'form':>8} {'tok/seq/frame':>13} {'frames':>7} {'wall s':>8} {'tokens/s (wall)':>16} "
+              f"{'worker CPU s':>13} {'tokens/worker-CPU-s':>20} {'x message (wall)':>17}")
         run = 0
         for tokens_per_frame in (int(k) for k in args.tokens_per_frame.split(",")):
-            best: tuple[float, float] | None = None
+            # Repeats alternate the two forms, so both see the same load on a shared machine.
+            best: dict[bool, tuple[float, float]] = {}
             for _ in range(args.repeats):
-                opens, frames, names = build_frames(identity, seqs, run, tokens_per_frame)
-                run += 1
-                cpu_before = process_cpu_seconds(worker.process.pid)
-                seconds, texts = asyncio.run(stream_frames(address, opens, frames, names))
-                cpu = process_cpu_seconds(worker.process.pid) - cpu_before
-                assert [texts[name] for name in names] == expected, "gRPC detok output differs from tokenizer.decode"
-                if best is None or seconds < best[0]:
-                    best = (seconds, cpu)
-            assert best is not None
-            seconds, cpu = best
-            print(f"{tokens_per_frame:>13} {len(frames):>7} {seconds:>8.3f} {num_tokens / seconds:>16,.0f} "
-                  f"{cpu:>13.3f} {num_tokens / max(cpu, 1e-9):>20,.0f}")
+                for columns in (False, True):
+                    opens, frames, names = build_frames(identity, seqs, run, tokens_per_frame, columns)
+                    run += 1
+                    cpu_before = process_cpu_seconds(worker.process.pid)
+                    seconds, texts = asyncio.run(stream_frames(address, opens, frames, names))
+                    cpu = process_cpu_seconds(worker.process.pid) - cpu_before
+                    assert [texts[name] for name in names] == expected, "gRPC detok output differs from decode"
+                    if columns not in best or seconds < best[columns][0]:
+                        best[columns] = (seconds, cpu)
+            for columns in (False, True):
+                seconds, cpu = best[columns]
+                print(f"{'columns' if columns else 'message':>8} {tokens_per_frame:>13} {len(frames):>7} "
+                      f"{seconds:>8.3f} {num_tokens / seconds:>16,.0f} {cpu:>13.3f} "
+                      f"{num_tokens / max(cpu, 1e-9):>20,.0f} {best[False][0] / seconds:>17.2f}")
     finally:
         worker.stop(timeout_s=10)
 

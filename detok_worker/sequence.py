@@ -17,7 +17,7 @@ from tokenwire.packing import unpack_int32_list
 
 class DetokSequence:
     __slots__ = ("sequence_id", "detokenizer", "token_bytes", "stop_matcher", "stop_search", "renderer",
-                 "num_tokens", "num_reported", "finished", "stop_index", "num_tokens_to_stop")
+                 "num_tokens", "num_reported", "finished", "stop_index", "num_tokens_to_stop", "handle")
 
     def __init__(self, sequence_id: str, detokenizer: ByteLevelDetokenizer | WindowDetokenizer,
                  stop_matcher: StopStringMatcher | None, renderer: TokenRenderer) -> None:
@@ -38,6 +38,9 @@ class DetokSequence:
         self.finished = False
         self.stop_index = -1
         self.num_tokens_to_stop = 0
+        # OpenSequence.handle (0: none): the sequence's ids come in TokenColumns, and while it is
+        # open columns.py's HandleTable holds its counts and unfinished-character bytes.
+        self.handle = 0
 
     @property
     def stopped(self) -> bool:

@@ -4,6 +4,8 @@ The pure core of the detok worker: servicer.py only feeds it the stream's frames
 sequences are decoded a whole frame at a time (one id check, one Rust decode per tokenizer);
 the per-sequence Python work left is slicing the bytes, UTF-8 decoding, stop matching and the
 TextDelta. render_token_ids of an entry are rendered (render.py) into its sequence's delta.
+Sequences opened with a handle take their ids in TokenColumns instead: columns.py decodes those
+for the whole frame and hands back the rows that need the exact code here (_feed_rows).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from detok_worker.columns import BadFrameError, ExactRow, HandleTable
 from detok_worker.incremental import new_detokenizer
 from detok_worker.render import renderer_for
 from detok_worker.sequence import DetokSequence
@@ -27,18 +30,14 @@ from tokenwire.v1 import common_pb2, detok_worker_pb2
 MAX_REMEMBERED_STOPPED = 4096
 
 OpenDecoding = Callable[[common_pb2.TokenizerIdentity], TokenizerDecoding]
-# (sequence, its int32 LE token ids, the input-finished flag) of one SequenceTokenIds.
-_TokenEntry = tuple[DetokSequence, bytes, bool]
-
-
-class BadFrameError(ValueError):
-    """A frame no per-sequence answer can cover (a missing sequence_id); ends the stream."""
+__all__ = ["BadFrameError", "DetokenizeStream", "OpenDecoding"]
 
 
 class DetokenizeStream:
     def __init__(self, open_decoding: OpenDecoding = decoding_for_identity) -> None:
         self._open_decoding = open_decoding
         self._live: dict[str, DetokSequence] = {}
+        self._columns = HandleTable()  # the handled ones among them
         self._stopped: dict[str, None] = {}  # insertion-ordered set, oldest evicted first
         self._reply = detok_worker_pb2.TextDeltaFrame()
         self._deltas: dict[str, detok_worker_pb2.TextDelta] = {}
@@ -59,11 +58,15 @@ class DetokenizeStream:
             self._open(request)
         if frame.tokens:
             self._feed(frame.tokens)
+        if frame.HasField("columns"):
+            self._columns.feed(frame.columns, self._feed_rows, self._report_stopped, self._reply.columns)
         for close in frame.closes:
             if not close.sequence_id:
                 raise BadFrameError("CloseSequence.sequence_id is empty")
             # Dropped without a flush: the request was aborted, nobody reads its text.
-            self._live.pop(close.sequence_id, None)
+            sequence = self._live.pop(close.sequence_id, None)
+            if sequence is not None:
+                self._columns.unbind(sequence)
             self._stopped.pop(close.sequence_id, None)
         return self._reply
 
@@ -71,15 +74,31 @@ class DetokenizeStream:
         sequence_id = request.sequence_id
         if not sequence_id:
             raise BadFrameError("OpenSequence.sequence_id is empty")
+        handle = request.handle
         if sequence_id in self._live:
             # The finished error delta closes the id for the gateway, so drop the live one too.
-            del self._live[sequence_id]
+            self._columns.unbind(self._live.pop(sequence_id))
+            self._columns.retire(handle)
             self._emit_error(sequence_id, f"sequence {sequence_id!r} is already open on this stream")
             return
         self._stopped.pop(sequence_id, None)
+        if handle:
+            try:
+                holder = self._columns.holder(handle)
+            except ValueError as exc:
+                self._emit_error(sequence_id, str(exc))
+                return
+            if holder is not None:
+                # Which of the two the gateway means is unknowable: both end, both are told.
+                self._fail(holder, f"handle {handle} was opened again, for sequence {sequence_id!r}")
+                self._columns.retire(handle)
+                self._emit_error(sequence_id, f"handle {handle} is already used by open sequence "
+                                              f"{holder.sequence_id!r}")
+                return
         try:
             decoding = self._open_decoding(request.tokenizer)
         except Exception as exc:  # any load failure is this sequence's, not the stream's
+            self._columns.retire(handle)
             self._emit_error(sequence_id, f"cannot load tokenizer {request.tokenizer.path!r}: {exc}")
             return
         try:
@@ -87,9 +106,13 @@ class DetokenizeStream:
             stop_matcher = (StopStringMatcher(request.stop, request.include_stop_str_in_output)
                             if request.stop else None)
         except ValueError as exc:
+            self._columns.retire(handle)
             self._emit_error(sequence_id, str(exc))
             return
-        self._live[sequence_id] = DetokSequence(sequence_id, detokenizer, stop_matcher, renderer_for(decoding))
+        sequence = DetokSequence(sequence_id, detokenizer, stop_matcher, renderer_for(decoding))
+        self._live[sequence_id] = sequence
+        if handle:
+            self._columns.bind(handle, sequence)
 
     def _feed(self, entries: Iterable[detok_worker_pb2.SequenceTokenIds]) -> None:
         """Byte-level entries are collected per tokenizer and decoded after this pass, so a
@@ -99,13 +122,13 @@ class DetokenizeStream:
         # Those take the first branch below, all else (other tables, errors, renders, the
         # generic path) goes through _sort_entry.
         table: TokenBytes | None = None
-        members: list[_TokenEntry] = []
-        byte_level: dict[TokenBytes, list[_TokenEntry]] = {}
+        members: list[ExactRow] = []
+        byte_level: dict[TokenBytes, list[ExactRow]] = {}
         for entry in entries:
             sequence = live.get(entry.sequence_id)
             token_ids = entry.token_ids
             if (sequence is not None and sequence.token_bytes is table and table is not None
-                    and not len(token_ids) & 3 and not entry.render_token_ids):
+                    and not len(token_ids) & 3 and not entry.render_token_ids and not sequence.handle):
                 members.append((sequence, token_ids, entry.finished))
                 continue
             sorted_to = self._sort_entry(entry, sequence, byte_level)
@@ -120,7 +143,7 @@ class DetokenizeStream:
                 delta.num_tokens += sequence.take_num_tokens()
 
     def _sort_entry(self, entry: detok_worker_pb2.SequenceTokenIds, sequence: DetokSequence | None,
-                    byte_level: dict[TokenBytes, list[_TokenEntry]]) -> TokenBytes | None:
+                    byte_level: dict[TokenBytes, list[ExactRow]]) -> TokenBytes | None:
         """Every entry but the frame loop's plain byte-level one: answers errors, renders,
         feeds a generic sequence at once, or files a byte-level one under its table (which
         it returns)."""
@@ -134,6 +157,10 @@ class DetokenizeStream:
                 return None
             self._emit_error(sequence_id, f"no open sequence {sequence_id!r} on this stream")
             return None
+        if sequence.handle:
+            self._fail(sequence, f"sequence {sequence_id!r} was opened with handle {sequence.handle}: "
+                                 "its ids belong in DetokenizeFrame.columns")
+            return None
         token_ids = entry.token_ids
         if len(token_ids) & 3:
             self._fail(sequence, f"token_ids has {len(token_ids)} bytes, not a multiple of 4 (int32 LE)")
@@ -146,6 +173,23 @@ class DetokenizeStream:
             return None
         byte_level.setdefault(token_bytes, []).append((sequence, token_ids, entry.finished))
         return token_bytes
+
+    def _feed_rows(self, rows: list[ExactRow]) -> None:
+        """Column rows the arrays could not take (columns.py), through the same exact code as
+        SequenceTokenIds entries."""
+        byte_level: dict[TokenBytes, list[ExactRow]] = {}
+        for row in rows:
+            sequence = row[0]
+            if sequence.token_bytes is None:
+                self._feed_one(*row)
+            else:
+                byte_level.setdefault(sequence.token_bytes, []).append(row)
+        for token_bytes, members in byte_level.items():
+            self._feed_byte_level(token_bytes, members)
+
+    def _report_stopped(self, sequence: DetokSequence, text: str) -> None:
+        """A column row whose text hit a stop string (columns.py ran the matcher)."""
+        self._report(sequence, text, False)
 
     def _render(self, sequence: DetokSequence, render_token_ids: bytes) -> bool:
         """Renders the ids into the sequence's delta of this frame; False if it failed."""
@@ -175,7 +219,7 @@ class DetokenizeStream:
             text += sequence.finish()
         self._report(sequence, text, input_finished)
 
-    def _feed_byte_level(self, token_bytes: TokenBytes, members: list[_TokenEntry]) -> None:
+    def _feed_byte_level(self, token_bytes: TokenBytes, members: list[ExactRow]) -> None:
         """All of one tokenizer's sequences in this frame: one check and one decode of the
         concatenated ids, then each sequence takes its slice of the bytes.
 
@@ -237,7 +281,7 @@ class DetokenizeStream:
                     delta.text += text
                     delta.num_tokens += num_unreported
 
-    def _drop_out_of_vocab(self, token_bytes: TokenBytes, members: list[_TokenEntry]) -> list[_TokenEntry]:
+    def _drop_out_of_vocab(self, token_bytes: TokenBytes, members: list[ExactRow]) -> list[ExactRow]:
         """Fails the sequences that sent ids outside the vocabulary; returns the others."""
         valid = []
         for member in members:
@@ -255,6 +299,7 @@ class DetokenizeStream:
                 self._emit_text(sequence, text)
             return
         del self._live[sequence.sequence_id]
+        self._columns.unbind(sequence)
         if sequence.stopped and not input_finished:
             self._remember_stopped(sequence.sequence_id)
         delta = self._delta_for(sequence.sequence_id)
@@ -274,6 +319,7 @@ class DetokenizeStream:
     def _fail(self, sequence: DetokSequence, error: str) -> None:
         sequence.finished = True
         self._live.pop(sequence.sequence_id, None)
+        self._columns.unbind(sequence)
         self._emit_error(sequence.sequence_id, error)
 
     def _emit_error(self, sequence_id: str, error: str) -> None:

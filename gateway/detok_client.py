@@ -2,17 +2,27 @@
 
 The pipeline queues opens, token ids and closes here; they leave in batched DetokenizeFrames
 (one entry per sequence per frame), and each TextDeltaFrame goes to the pipeline's callback.
+Sequences given a handle (assign_handle) send their ids as TokenColumns rows and get their plain
+text back as TextColumns entries (detok_worker/columns.py), which costs far less per sequence.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 from collections.abc import Callable, Iterable
 
 import grpc
 
 from gateway.frame_stream import FrameStream
 from gateway.worker_health import WatchedFrameStream, WorkerHealth
+from tokenwire.packing import pack_int32
 from tokenwire.v1 import detok_worker_pb2, detok_worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+# (sequence id, int32 LE token ids, input finished) of a handled sequence, for its TokenColumns row.
+ColumnRow = tuple[str, bytes, bool]
 
 
 class DetokClient:
@@ -27,10 +37,25 @@ class DetokClient:
         self._tokens: dict[str, detok_worker_pb2.SequenceTokenIds] = {}
         self._closes: list[str] = []
         self._on_lost = on_lost
+        self._on_frame = on_frame
+        # Handles of this stream (OpenSequence.handle): handle -> sequence id, and back.
+        self.sequence_of_handle: list[str | None] = [None]  # index 0: no handle
+        self._handles: dict[str, int] = {}
+        self._free_handles: list[int] = []
+        # (frame number, handle) of closed sequences: the handle is free once that frame's reply
+        # is read, since replies to earlier frames may still carry the old sequence's text.
+        self._closing: list[tuple[int, int]] = []
+        self._rows: dict[int, list] = {}  # handle -> [ids parts, finished]: the next frame's rows
+        self._num_frames_sent = 0
+        self._num_replies = 0
+        # Numbers of the frames sent with columns whose replies are still to come: a reply
+        # without TextColumns comes from a worker that predates them.
+        self._column_frames: collections.deque[int] = collections.deque()
+        self.columns_supported = True
         self.health = WorkerHealth(f"detok worker {address}", channel)
         self.stream: FrameStream[detok_worker_pb2.DetokenizeFrame, detok_worker_pb2.TextDeltaFrame] = \
             WatchedFrameStream(self.health, f"detok worker {address}", channel, self._stub.Detokenize,
-                               self._take_frame, lambda frame: on_frame(index, frame), self._lost)
+                               self._take_frame, self._reply, self._lost)
 
     @property
     def connected(self) -> bool:
@@ -38,8 +63,42 @@ class DetokClient:
         places new sequences only on connected replicas."""
         return self.stream.connected and self.health.serving
 
+    def assign_handle(self, open_: detok_worker_pb2.OpenSequence) -> None:
+        """Gives the sequence a handle (the most recently freed, else a new one): its ids then go
+        in send()'s rows. Only for sequences that need no render_token_ids; none once the worker
+        turned out not to know columns."""
+        if not self.columns_supported:
+            return
+        handle = self._free_handles.pop() if self._free_handles else len(self.sequence_of_handle)
+        if handle == len(self.sequence_of_handle):
+            self.sequence_of_handle.append(None)
+        self.sequence_of_handle[handle] = open_.sequence_id
+        self._handles[open_.sequence_id] = handle
+        open_.handle = handle
+
+    def has_handle(self, sequence_id: str) -> bool:
+        return sequence_id in self._handles
+
+    def sequence_finished(self, sequence_id: str) -> None:
+        """The worker's finished TextDelta for the sequence was read: it dropped the sequence
+        after answering every frame before, and drops ids of frames already sent, so the handle
+        is free now; ids still queued for it are stale and go too, lest a new sequence with the
+        handle in the same frame take them."""
+        handle = self._handles.pop(sequence_id, None)
+        if handle is not None:
+            self._rows.pop(handle, None)
+            self._free_handles.append(handle)
+
     def send(self, opens: Iterable[detok_worker_pb2.OpenSequence],
-             tokens: Iterable[detok_worker_pb2.SequenceTokenIds]) -> None:
+             tokens: Iterable[detok_worker_pb2.SequenceTokenIds], rows: Iterable[ColumnRow] = ()) -> None:
+        for sequence_id, token_ids, finished in rows:
+            handle = self._handles[sequence_id]
+            queued = self._rows.get(handle)
+            if queued is None:
+                self._rows[handle] = [[token_ids], finished]
+            else:  # two TokenFrames arrived while a write was in flight: one row per sequence
+                queued[0].append(token_ids)
+                queued[1] = queued[1] or finished
         for open_ in opens:
             self._opens[open_.sequence_id] = open_
         for entry in tokens:
@@ -59,27 +118,73 @@ class DetokClient:
         return await self._stub.RenderTokens(request, timeout=timeout_s)
 
     def close_sequence(self, sequence_id: str) -> None:
+        handle = self._handles.get(sequence_id)
+        if handle is not None:
+            self._rows.pop(handle, None)
         if self._opens.pop(sequence_id, None) is not None:
-            # Never reached the worker: nothing to close there.
+            # Never reached the worker: nothing to close there, and the handle is free at once.
             self._tokens.pop(sequence_id, None)
+            self.sequence_finished(sequence_id)
             return
         self._tokens.pop(sequence_id, None)
         self._closes.append(sequence_id)
         self.stream.wake()
 
     def _take_frame(self) -> detok_worker_pb2.DetokenizeFrame | None:
-        if not self._opens and not self._tokens and not self._closes:
+        if not self._opens and not self._tokens and not self._closes and not self._rows:
             return None
         frame = detok_worker_pb2.DetokenizeFrame(
             opens=self._opens.values(), tokens=self._tokens.values(),
             closes=[detok_worker_pb2.CloseSequence(sequence_id=s) for s in self._closes])
+        self._num_frames_sent += 1
+        if self._rows:
+            handles = [h for h, (parts, _) in self._rows.items() if any(parts)]
+            columns = frame.columns
+            columns.handles = pack_int32(handles)
+            columns.num_tokens = pack_int32([sum(map(len, self._rows[h][0])) >> 2 for h in handles])
+            columns.token_ids = b"".join(part for h in handles for part in self._rows[h][0])
+            columns.finished_handles = pack_int32([h for h, (_, finished) in self._rows.items() if finished])
+            self._column_frames.append(self._num_frames_sent)
+        for sequence_id in self._closes:
+            handle = self._handles.pop(sequence_id, None)
+            if handle is not None:
+                self._closing.append((self._num_frames_sent, handle))
         self._opens = {}
         self._tokens = {}
+        self._rows = {}
         self._closes = []
         return frame
+
+    def _reply(self, frame: detok_worker_pb2.TextDeltaFrame) -> None:
+        self._num_replies += 1
+        if self._column_frames and self._column_frames[0] == self._num_replies:
+            self._column_frames.popleft()
+            if not frame.HasField("columns"):
+                # This worker dropped the columns unread: the handled sequences would never get
+                # text. Fail them (with everything on this replica) and send messages from now on.
+                self.columns_supported = False
+                logger.error("detok worker %s does not read TokenColumns (older version); "
+                             "sending per-sequence entries from now on", self.address)
+                self._on_lost(self.index, RuntimeError(f"detok worker {self.address} does not read TokenColumns"))
+        try:
+            self._on_frame(self.index, frame)
+        finally:
+            if self._closing and self._closing[0][0] <= self._num_replies:
+                # Frames are answered one for one, in order: this reply ends the closed
+                # sequences' text, so their handles can take new sequences.
+                self._free_handles.extend(h for n, h in self._closing if n <= self._num_replies)
+                self._closing = [(n, h) for n, h in self._closing if n > self._num_replies]
 
     def _lost(self, error: Exception) -> None:
         self._opens.clear()
         self._tokens.clear()
         self._closes.clear()
+        # A new stream starts with no handles open.
+        self._rows.clear()
+        self._handles.clear()
+        self._free_handles.clear()
+        self._closing.clear()
+        self._column_frames.clear()
+        self.sequence_of_handle = [None]
+        self._num_frames_sent = self._num_replies = 0
         self._on_lost(self.index, error)

@@ -1,0 +1,448 @@
+"""The column fast path of a Detokenize stream: TokenColumns in, TextColumns out, numpy over the frame.
+
+stream.py hands each frame's TokenColumns to its HandleTable. Rows of a byte-level tokenizer whose
+ids fit the UTF-8 state left before them are decoded for the whole frame at once from per-id tables
+(token_table.py): a few numpy gathers and one bytes join, whatever the number of sequences. Per-row
+Python is left only where it must be: rows whose text may start a stop string or that hold text
+back run the stop matcher here, as stream.py's loop would; a lone continuation-byte id that grows
+an unfinished character interns the longer start; every other row (bytes the tables cannot vouch
+for, unknown ids, the input's end, the generic path) goes through stream.py's exact per-sequence
+code. The output is the same either way (tests/test_detok_columns.py runs both side by side); the
+figures are in bench/README.md.
+
+Per-handle state lives in arrays indexed by the handle. For a live handled sequence these arrays
+are the truth; its DetokSequence's counts and ByteLevelDetokenizer.pending are loaded before, and
+stored after, a row of it goes the exact way.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import numpy as np
+
+from detok_worker.sequence import DetokSequence
+from detok_worker.token_table import STUCK, VALID2, TokenTable, char_mask, token_table_for
+from tokenwire.packing import INT32, unpack_int32
+from tokenwire.v1 import detok_worker_pb2
+
+MAX_HANDLE = (1 << 20) - 1
+# Slot states: a handle never opened on this stream (ids for it are a gateway bug); open; or ended
+# (stopped, failed, finished, closed), whose late ids are the ones the gateway sent before it
+# heard, dropped quietly until the handle is opened again.
+_NEVER, _LIVE, _ENDED = 0, 1, 2
+# A row as the exact path takes it, from a column row or a SequenceTokenIds: (sequence, its int32 LE
+# ids, input finished).
+ExactRow = tuple[DetokSequence, bytes, bool]
+FeedExact = Callable[[list[ExactRow]], None]
+# Ends a sequence a stop string hit, with the text the matcher let out: a finished TextDelta.
+ReportStopped = Callable[[DetokSequence, str], None]
+# Plain rows' output: handles [E], their texts concatenated (UTF-8), text lengths [E], num_tokens [E].
+_Part = tuple[np.ndarray, bytes, np.ndarray, np.ndarray]
+
+
+class BadFrameError(ValueError):
+    """A frame no per-sequence answer can cover (a missing sequence_id, an unknown handle); ends
+    the stream."""
+
+
+class HandleTable:
+    """The handled sequences of one stream and their frame-loop state, all indexed by handle."""
+
+    _ARRAYS = {"_status": (np.int8, 0), "_table_index": (np.int64, -1), "_held": (bool, False),
+               "_num_tokens": (np.int64, 0), "_num_reported": (np.int64, 0), "_pending": (np.int64, 0),
+               "_stop_low": (np.uint64, 0),
+               "_stop_high": (np.uint64, 0), "_stop_key": (np.int64, -1), "_row_of": (np.int64, 0)}
+
+    def __init__(self, capacity: int = 64) -> None:
+        self._sequences: list[DetokSequence | None] = [None] * capacity
+        # [capacity] each: _status (_NEVER/_LIVE/_ENDED); _table_index into _tables (-1: generic
+        # path); _held: the stop matcher holds text back; the counts; _pending: the unfinished
+        # character's bytes, interned in the sequence's TokenTable; the stop strings' first
+        # characters (char_mask); _row_of: scratch, a handle's row.
+        for name, (dtype, fill) in self._ARRAYS.items():
+            setattr(self, name, np.full(capacity, fill, dtype=dtype))
+        self._tables: list[TokenTable] = []
+        self._stop_keys: dict[tuple[str, ...], int] = {}  # stop set -> _stop_key (bounded)
+        self._stop_sets: list[tuple[str, ...]] = []
+
+    # ---- opening and ending ----
+
+    def holder(self, handle: int) -> DetokSequence | None:
+        """The open sequence that has this handle (ValueError for one out of range)."""
+        if not 0 < handle <= MAX_HANDLE:
+            raise ValueError(f"handle {handle} is out of range (1 to {MAX_HANDLE})")
+        return self._sequences[handle] if handle < len(self._sequences) else None
+
+    def bind(self, handle: int, sequence: DetokSequence) -> None:
+        """Gives sequence the handle, which holder() said is free."""
+        self._grow(handle)
+        sequence.handle = handle
+        self._sequences[handle] = sequence
+        self._status[handle] = _LIVE
+        self._table_index[handle] = -1
+        if sequence.token_bytes is not None:
+            table = token_table_for(sequence.token_bytes)
+            if table not in self._tables:
+                self._tables.append(table)
+            self._table_index[handle] = self._tables.index(table)
+        matcher = sequence.stop_matcher
+        low, high = char_mask("".join(stop[0] for stop in matcher.stops)) if matcher is not None else (0, 0)
+        self._stop_low[handle], self._stop_high[handle] = low, high
+        self._stop_key[handle] = -1
+        if matcher is not None:
+            stops = tuple(matcher.stops)
+            key = self._stop_keys.get(stops)
+            if key is None and len(self._stop_sets) < 4096:  # past that, new sets take the masks
+                key = self._stop_keys[stops] = len(self._stop_sets)
+                self._stop_sets.append(stops)
+            self._stop_key[handle] = key if key is not None else -2
+        self._held[handle] = False
+        self._num_tokens[handle] = self._num_reported[handle] = 0
+        self._pending[handle] = 0
+
+    def retire(self, handle: int) -> None:
+        """An open with this handle failed: its late ids are dropped quietly, as an ended one's."""
+        if 0 < handle <= MAX_HANDLE:
+            self._grow(handle)
+            if self._sequences[handle] is None:
+                self._status[handle] = _ENDED
+
+    def unbind(self, sequence: DetokSequence) -> None:
+        """The sequence left the stream (any reason); its handle's late ids are dropped quietly."""
+        handle = sequence.handle
+        if handle and self._sequences[handle] is sequence:
+            self._sequences[handle] = None
+            self._status[handle] = _ENDED
+
+    def _grow(self, handle: int) -> None:
+        capacity = len(self._sequences)
+        if handle < capacity:
+            return
+        new = max(handle + 1, 2 * capacity)
+        self._sequences.extend([None] * (new - capacity))
+        for name, (dtype, fill) in self._ARRAYS.items():
+            grown = np.full(new, fill, dtype=dtype)
+            grown[:capacity] = getattr(self, name)
+            setattr(self, name, grown)
+
+    # ---- one frame ----
+
+    def feed(self, columns: detok_worker_pb2.TokenColumns, feed_exact: FeedExact, report_stopped: ReportStopped,
+             out: detok_worker_pb2.TextColumns) -> None:
+        """Decodes the frame's rows: plain text into out, stop hits through report_stopped, the
+        rest through feed_exact (both add TextDeltas to the stream's reply)."""
+        handles, counts, ids, finished, status = self._read(columns)
+        rows = handles.size
+        # [rows + 1]: where each row's ids start; None when every row has exactly one id.
+        token_bounds: np.ndarray | None = None
+        if ids.size != rows or np.count_nonzero(counts != 1):
+            if np.count_nonzero(counts < 0):
+                raise BadFrameError("TokenColumns.num_tokens holds a negative count")
+            token_bounds = np.zeros(rows + 1, dtype=np.int64)
+            np.cumsum(counts, out=token_bounds[1:])
+            if ids.size != token_bounds[-1]:
+                raise BadFrameError(f"TokenColumns.num_tokens adds up to {int(token_bounds[-1])} ids, "
+                                    f"token_ids holds {ids.size}")
+        live = status == _LIVE  # [rows]; rows of ended sequences are late ids, dropped
+        table_index = self._table_index[handles]
+        fast = live & (table_index >= 0)
+        finished_rows: list[int] = []
+        finished_alone: list[int] = []  # finished handles without a row in this frame
+        if finished.size:
+            row_of = np.minimum(self._row_of[finished], max(rows - 1, 0))
+            has_row = (handles[row_of] == finished) if rows else np.zeros(finished.size, dtype=bool)
+            finished_rows = row_of[has_row].tolist()
+            fast[finished_rows] = False
+            finished_alone = finished[~has_row & (self._status[finished] == _LIVE)].tolist()
+        idle = None
+        if token_bounds is not None:
+            idle = counts == 0  # no ids, not finished: nothing to do
+            idle[finished_rows] = False
+            fast &= ~idle
+        parts: list[_Part] = []
+        if np.count_nonzero(fast):
+            groups = table_index[fast]
+            for group in ([int(groups[0])] if not np.count_nonzero(groups != groups[0])
+                          else np.unique(groups).tolist()):
+                in_group = fast & (table_index == group) if len(self._tables) > 1 else fast
+                part, taken = self._decode_rows(self._tables[group], handles, counts, ids, token_bounds, in_group,
+                                                report_stopped)
+                fast[in_group] = taken
+                if part is not None:
+                    parts.append(part)
+        self._write(parts, out)
+        exact = live & ~fast
+        if idle is not None:
+            exact &= ~idle
+        exact_rows = np.flatnonzero(exact).tolist()
+        if exact_rows or finished_alone:
+            self._feed_exact_rows(handles, ids, token_bounds, exact_rows, set(finished_rows),
+                                  finished_alone, feed_exact)
+
+    def _read(self, columns: detok_worker_pb2.TokenColumns) -> tuple[np.ndarray, ...]:
+        """The columns as arrays, checked: every handle opened on this stream, none twice; and
+        the rows' slot status."""
+        try:
+            handles = unpack_int32(columns.handles)  # [rows]
+            counts = unpack_int32(columns.num_tokens)  # [rows]
+            ids = unpack_int32(columns.token_ids)  # [num ids]
+            finished = unpack_int32(columns.finished_handles)  # [num finished]
+        except ValueError as exc:
+            raise BadFrameError(f"TokenColumns: {exc}") from exc
+        if counts.size != handles.size:
+            raise BadFrameError(f"TokenColumns has {handles.size} handles and {counts.size} num_tokens")
+        status = self._checked_status("handles", handles)
+        if finished.size:
+            self._checked_status("finished_handles", finished)
+        rows = np.arange(handles.size)
+        self._row_of[handles] = rows
+        if np.count_nonzero(self._row_of[handles] != rows):
+            raise BadFrameError("TokenColumns.handles names a handle twice")
+        return handles, counts, ids, finished, status
+
+    def _checked_status(self, field: str, handles: np.ndarray) -> np.ndarray:
+        """[n] slot status of the handles; BadFrameError for one never opened on this stream."""
+        capacity = len(self._sequences)
+        # Handle 0 and negatives wrap to huge unsigned values: one compare checks both ends.
+        outside = (handles - 1).view(np.uint32) >= capacity - 1
+        status = self._status[np.where(outside, 0, handles)] if np.count_nonzero(outside) else self._status[handles]
+        unknown = outside | (status == _NEVER)
+        if np.count_nonzero(unknown):
+            handle = int(handles[np.argmax(unknown)])
+            raise BadFrameError(f"TokenColumns.{field}: handle {handle} was never opened on this stream")
+        return status
+
+    def _decode_rows(self, table: TokenTable, handles: np.ndarray, counts: np.ndarray, ids: np.ndarray,
+                     token_bounds: np.ndarray | None, in_group: np.ndarray,
+                     report_stopped: ReportStopped) -> tuple[_Part | None, np.ndarray]:
+        """The rows in_group of one byte table, decoded together. Returns the plain rows' output
+        (None if none) and [rows in group] bool: which rows it took. Their state is updated; the
+        others' is left as it was, for the exact path."""
+        one_each = token_bounds is None
+        g_handles = handles[in_group]  # [R]
+        g_counts = counts[in_group]
+        g_ids = ids[in_group] if one_each else ids[np.repeat(in_group, counts)]  # [n]
+        taken = np.zeros(g_handles.size, dtype=bool)  # [R]
+        token_bytes = table.token_bytes
+        if not token_bytes.ids_are_valid(g_ids):
+            # Rows with ids outside the vocabulary: the exact path names the first in its error.
+            bad = g_ids.view(np.uint32) >= table.vocab_size
+            bad[~bad] = ~token_bytes.known_ids[g_ids[~bad]]
+            row_bad = bad if one_each else np.repeat(np.arange(g_handles.size), g_counts)[bad]
+            good = np.ones(g_handles.size, dtype=bool)
+            good[row_bad] = False
+            narrowed = in_group.copy()
+            narrowed[in_group] = good
+            if not np.count_nonzero(narrowed):
+                return None, taken
+            part, taken[good] = self._decode_rows(table, handles, counts, ids, token_bounds, narrowed, report_stopped)
+            return part, taken
+        bounds = None
+        pending = self._pending[g_handles]  # [R]
+        row_state = table.pending_state[pending]  # [R]
+        if one_each:
+            last_ids = g_ids  # [R]
+            prev_state = row_state  # [n]: the state each id must fit
+        else:
+            bounds = np.zeros(g_counts.size + 1, dtype=np.int64)  # [R + 1]
+            np.cumsum(g_counts, out=bounds[1:])
+            last_ids = g_ids[bounds[1:] - 1]
+            prev_state = np.empty(g_ids.size, dtype=np.int64)
+            prev_state[1:] = table.pending_state[table.tail_pending[g_ids[:-1]]]
+            prev_state[bounds[:-1]] = row_state
+        second_ok = VALID2[prev_state >> 8, table.first[g_ids]]  # [n]
+        head = table.head[g_ids]
+        missing = prev_state & 0xFF
+        fits = table.clean[g_ids] & (head == missing) & second_ok  # [n]
+        if one_each and np.count_nonzero(row_state):
+            # A lone id of continuation bytes that does not finish the character: the pending
+            # bytes grow, no text (a 3-byte character sent as 3 one-byte ids, say).
+            grows = second_ok & (head < missing) & (table.continuation_len[g_ids] > 0) & (missing != STUCK)
+            if np.count_nonzero(grows):
+                self._grow_pending(table, g_handles[grows], g_ids[grows], pending[grows])
+                taken |= grows
+        pending_len = table.pending_len[pending]  # [R]
+        new_len = table.piece_lengths[g_ids]  # [n]
+        maybe_stop = self._maybe_stop(table, g_handles, g_counts, g_ids, one_each)  # [n]
+        if one_each:
+            row_ok = fits  # [R]
+        else:
+            row_ok = _per_row_all(fits, bounds)
+            maybe_stop = ~_per_row_all(~maybe_stop, bounds)
+            new_len = _per_row_sum(new_len, bounds)
+        text_len = pending_len + new_len - table.tail[last_ids]  # [R] bytes of new text
+        # The text: per row its pending bytes (the tail of the id that left them), its ids' bytes,
+        # the last id's without its tail; one join over TokenTable.join_pieces.
+        vocab = table.vocab_size
+        if one_each:
+            piece_ids = g_ids[row_ok] + vocab
+            row_start = None
+        else:
+            is_last = np.zeros(g_ids.size, dtype=np.int64)
+            is_last[bounds[1:] - 1] = vocab
+            piece_ids = (g_ids + is_last)[np.repeat(row_ok, g_counts)]
+            row_start = np.zeros(g_counts.size, dtype=np.int64)
+            np.cumsum(g_counts[row_ok][:-1], out=row_start[1:np.count_nonzero(row_ok)])
+        with_pending = row_ok & (pending_len > 0)
+        if np.count_nonzero(with_pending):
+            ok_pending = with_pending[row_ok]  # among the taken rows
+            at = np.flatnonzero(ok_pending) if one_each else row_start[:ok_pending.size][ok_pending]
+            piece_ids = np.insert(piece_ids, at, pending[with_pending] + 2 * vocab)
+        # itemgetter(*ids) fetches them all in one C call (measured: 25% under map over a list).
+        text = b"".join(operator.itemgetter(*piece_ids.tolist())(table.join_pieces)) if piece_ids.size > 1 else \
+            b"".join(table.join_pieces[i] for i in piece_ids.tolist())
+        suspects = np.flatnonzero(row_ok & (maybe_stop | self._held[g_handles]))
+        if suspects.size:
+            text = self._match_stops(table, text, text_len, row_ok, taken, suspects, g_handles, g_counts, g_ids,
+                                     bounds, pending, report_stopped)
+        # Commit the rows taken: unfinished characters, counts, one entry per row with text.
+        done = g_handles[row_ok]
+        done_last = last_ids[row_ok]
+        self._pending[done] = table.tail_pending[done_last]
+        num_tokens = self._num_tokens[done] + g_counts[row_ok]
+        self._num_tokens[done] = num_tokens
+        done_len = text_len[row_ok]
+        with_text = done_len > 0
+        out_handles = done[with_text]
+        out_num_tokens = num_tokens[with_text] - self._num_reported[out_handles]
+        self._num_reported[out_handles] = num_tokens[with_text]
+        return (out_handles, text, done_len[with_text], out_num_tokens), row_ok | taken
+
+    def _maybe_stop(self, table: TokenTable, g_handles: np.ndarray, g_counts: np.ndarray, g_ids: np.ndarray,
+                    one_each: bool) -> np.ndarray:
+        """[n] bool: ids whose row's text goes to the stop matcher (_match_stops)."""
+        keys = self._stop_key[g_handles]
+        key = int(keys[0])
+        if key != -2 and not np.count_nonzero(keys != key):  # one stop set (or none) in the group
+            if key < 0:
+                return np.zeros(g_ids.size, dtype=bool)
+            return table.stop_starts(self._stop_sets[key])[g_ids]
+        # Several sets: ids holding a byte a stop of their row starts with (any non-ASCII byte for
+        # a stop that starts with such a character).
+        stop_low = self._stop_low[g_handles]
+        stop_high = self._stop_high[g_handles]
+        if not one_each:
+            stop_low = np.repeat(stop_low, g_counts)
+            stop_high = np.repeat(stop_high, g_counts)
+        return ((table.mask_low[g_ids] & stop_low) | (table.mask_high[g_ids] & stop_high)) != 0
+
+    def _grow_pending(self, table: TokenTable, handles: np.ndarray, ids: np.ndarray, pending: np.ndarray) -> None:
+        for handle, token_id, index in zip(handles.tolist(), ids.tolist(), pending.tolist(), strict=True):
+            self._pending[handle] = table.intern(table.pending_bytes(index) + table.token_bytes.pieces[token_id])
+        self._num_tokens[handles] += 1
+
+    def _match_stops(self, table: TokenTable, text: bytes, text_len: np.ndarray, row_ok: np.ndarray,
+                     taken: np.ndarray, suspects: np.ndarray, g_handles: np.ndarray, g_counts: np.ndarray,
+                     g_ids: np.ndarray, bounds: np.ndarray | None, pending: np.ndarray,
+                     report_stopped: ReportStopped) -> bytes:
+        """The rows whose text may touch a stop (held text, or a byte some stop starts with), as
+        stream.py's frame loop takes them: could_start, then the matcher's push. What the matcher
+        lets out replaces the row's text (text_len follows); a stop hit ends the sequence through
+        report_stopped and the row leaves row_ok (it is in taken: nothing more to do)."""
+        ends = np.cumsum(np.where(row_ok, text_len, 0)).tolist()
+        replaced: list[tuple[int, int, bytes]] = []
+        for row, handle in zip(suspects.tolist(), g_handles[suspects].tolist(), strict=True):
+            sequence = self._sequences[handle]
+            assert sequence is not None and sequence.stop_matcher is not None and sequence.stop_search is not None
+            start, end = ends[row] - int(text_len[row]), ends[row]
+            row_text = text[start:end].decode("utf-8")
+            if not (sequence.stop_search(row_text) or sequence.stop_matcher.held_text):
+                continue
+            num_new = int(g_counts[row])
+            row_ids = g_ids[row:row + 1] if bounds is None else g_ids[bounds[row]:bounds[row + 1]]
+            sequence.num_tokens = int(self._num_tokens[handle]) + num_new
+            sequence.num_reported = int(self._num_reported[handle])
+            sequence.detokenizer.pending_before_feed = table.pending_bytes(int(pending[row]))  # for a replay
+            emitted = sequence.match_stops(row_text, row_ids.tobytes(), num_new)
+            if sequence.finished:
+                row_ok[row] = False
+                taken[row] = True
+                report_stopped(sequence, emitted)
+                replaced.append((start, end, b""))
+                continue
+            self._held[handle] = bool(sequence.stop_matcher.held_text)
+            data = emitted.encode("utf-8")
+            text_len[row] = len(data)
+            replaced.append((start, end, data))
+        if not replaced:
+            return text
+        kept = []
+        position = 0
+        for start, end, data in replaced:
+            kept.append(text[position:start])
+            kept.append(data)
+            position = end
+        kept.append(text[position:])
+        return b"".join(kept)
+
+    @staticmethod
+    def _write(parts: list[_Part], out: detok_worker_pb2.TextColumns) -> None:
+        out.SetInParent()  # present in every reply to a frame with columns, even empty
+        parts = [part for part in parts if part[0].size]
+        if not parts:
+            return
+        if len(parts) == 1:
+            handles, text, lengths, num_tokens = parts[0]
+        else:
+            handles = np.concatenate([p[0] for p in parts])
+            text = b"".join(p[1] for p in parts)
+            lengths = np.concatenate([p[2] for p in parts])
+            num_tokens = np.concatenate([p[3] for p in parts])
+        out.handles = handles.astype(INT32).tobytes()
+        out.text = text
+        out.text_lengths = lengths.astype(INT32).tobytes()
+        out.num_tokens = num_tokens.astype(INT32).tobytes()
+
+    # ---- the exact way ----
+
+    def _feed_exact_rows(self, handles: np.ndarray, ids: np.ndarray, token_bounds: np.ndarray | None,
+                         rows: list[int], finished_rows: set[int], finished_alone: list[int],
+                         feed_exact: FeedExact) -> None:
+        """The rows the arrays could not take, through the exact per-sequence code, with the
+        arrays' state loaded into their DetokSequences before and stored back after (gathered
+        and scattered once for all of them: numpy's per-element access costs more)."""
+        row_handles = [*handles[rows].tolist(), *finished_alone]
+        bounds = token_bounds.tolist() if token_bounds is not None else None
+        row_ids = [(ids[row:row + 1] if bounds is None else ids[bounds[row]:bounds[row + 1]]).tobytes()
+                   for row in rows]
+        row_ids.extend(b"" for _ in finished_alone)
+        finished = [row in finished_rows for row in rows] + [True] * len(finished_alone)
+        members: list[ExactRow] = []
+        for handle, num_tokens, num_reported, pending, table_index, ids_bytes, input_finished in zip(
+                row_handles, self._num_tokens[row_handles].tolist(), self._num_reported[row_handles].tolist(),
+                self._pending[row_handles].tolist(), self._table_index[row_handles].tolist(), row_ids, finished,
+                strict=True):
+            sequence = self._sequences[handle]
+            assert sequence is not None
+            sequence.num_tokens = num_tokens
+            sequence.num_reported = num_reported
+            if table_index >= 0:
+                sequence.detokenizer.pending = self._tables[table_index].pending_bytes(pending)
+            members.append((sequence, ids_bytes, input_finished))
+        feed_exact(members)
+        still_open = [sequence for sequence, _, _ in members if self._sequences[sequence.handle] is sequence]
+        if not still_open:
+            return
+        open_handles = [sequence.handle for sequence in still_open]
+        self._num_tokens[open_handles] = [sequence.num_tokens for sequence in still_open]
+        self._num_reported[open_handles] = [sequence.num_reported for sequence in still_open]
+        self._held[open_handles] = [sequence.stop_matcher is not None and bool(sequence.stop_matcher.held_text)
+                                    for sequence in still_open]
+        self._pending[open_handles] = [
+            self._tables[int(self._table_index[s.handle])].intern(s.detokenizer.pending) if s.token_bytes else 0
+            for s in still_open]
+
+
+def _per_row_all(flags: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """[R] bool: every flag of the row's ids ([n] flags, rows cut at bounds [R + 1])."""
+    failed = np.zeros(flags.size + 1, dtype=np.int64)
+    np.cumsum(~flags, out=failed[1:])
+    return failed[bounds[1:]] == failed[bounds[:-1]]
+
+
+def _per_row_sum(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    totals = np.zeros(values.size + 1, dtype=np.int64)
+    np.cumsum(values, out=totals[1:])
+    return totals[bounds[1:]] - totals[bounds[:-1]]
