@@ -1,4 +1,4 @@
-"""Entry point: `python -m gateway --port 8000 --model-worker HOST:PORT --detok-workers HOST:PORT,...`.
+"""Entry point: `python -m gateway --port 8000 --model-workers HOST:PORT,... --detok-workers HOST:PORT,...`.
 
 Builds the one Config from flags and TOKENWIRE_GATEWAY_* env, then serves create_app(config)
 with uvicorn; the app's lifespan waits for the workers before accepting requests.

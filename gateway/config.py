@@ -7,6 +7,20 @@ from dataclasses import dataclass, field
 from gateway.request_limits import RequestLimits
 from tokenwire.grpc_tls import client_tls
 
+# A --model-workers entry the gateway resolves itself, one replica per address.
+DNS_SCHEME = "dns:///"
+
+
+def dns_name(address: str) -> tuple[str, int] | None:
+    """(host, port) of a `dns:///HOST:PORT` entry; None for an address gRPC dials as given (one
+    replica). Raises ValueError for a `dns:` entry of another shape."""
+    if not address.startswith("dns:"):
+        return None
+    host, _, port = address.removeprefix(DNS_SCHEME).rpartition(":")
+    if not address.startswith(DNS_SCHEME) or not host or not port.isdigit():
+        raise ValueError(f"--model-workers: {address!r}: expected dns:///HOST:PORT (no DNS authority)")
+    return host.strip("[]"), int(port)
+
 
 @dataclass
 class Config:
@@ -14,7 +28,13 @@ class Config:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=8000, metadata={"help": "HTTP port"})
-    model_worker: str = field(default="127.0.0.1:50051", metadata={"help": "model worker gRPC address"})
+    model_workers: list[str] = field(default_factory=lambda: ["127.0.0.1:50051"], metadata={
+        "help": "model worker gRPC addresses, comma-separated, all serving the same model; each request goes "
+                "to the least-loaded connected one. A dns:///HOST:PORT entry (a Kubernetes headless Service) "
+                "is resolved by the gateway into one replica per address, again every "
+                "--model-worker-dns-refresh-s"})
+    model_worker_dns_refresh_s: float = field(default=10.0, metadata={
+        "help": "seconds between DNS lookups of dns:/// --model-workers entries (pods joining and leaving)"})
     detok_workers: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"], metadata={
         "help": "detok worker gRPC addresses, comma-separated; sequences are spread across them"})
     served_model_name: str = field(default="", metadata={
@@ -60,6 +80,14 @@ class Config:
                                      self.worker_tls_key_file, self.worker_tls_server_name)
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("--tls-cert-file and --tls-key-file go together")
+        if not self.model_workers:
+            raise ValueError("--model-workers needs at least one address")
+        for address in self.model_workers:
+            dns_name(address)
+        if len(set(self.model_workers)) != len(self.model_workers):
+            raise ValueError("--model-workers lists an address twice (each entry is one replica, or one DNS name)")
+        if self.model_worker_dns_refresh_s <= 0:
+            raise ValueError("--model-worker-dns-refresh-s must be > 0")
         if not self.detok_workers:
             raise ValueError("--detok-workers needs at least one address")
         if not 0 <= self.port < 65536:

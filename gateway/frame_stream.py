@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -25,7 +25,8 @@ class FrameStream(Generic[OutFrame, InFrame]):
 
     def __init__(self, name: str, channel: grpc.aio.Channel, open_call: Callable[[], Any],
                  take_frame: Callable[[], OutFrame | None], on_frame: Callable[[InFrame], None],
-                 on_lost: Callable[[Exception], None], reconnect_delay_s: float = 0.5) -> None:
+                 on_lost: Callable[[Exception], None], reconnect_delay_s: float = 0.5,
+                 before_open: Callable[[], Awaitable[None]] | None = None) -> None:
         self.name = name
         self._channel = channel
         self._open_call = open_call
@@ -33,6 +34,9 @@ class FrameStream(Generic[OutFrame, InFrame]):
         self._on_frame = on_frame
         self._on_lost = on_lost
         self._reconnect_delay_s = reconnect_delay_s
+        # Awaited on every (re)connect before the call opens; raising keeps the stream closed
+        # (e.g. a model worker replica that serves another model) and is retried.
+        self._before_open = before_open
         self._wake = asyncio.Event()
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -45,9 +49,17 @@ class FrameStream(Generic[OutFrame, InFrame]):
         """Something was queued: the sender takes it (and whatever else is queued by then)."""
         self._wake.set()
 
+    def launch(self) -> None:
+        """Starts the stream in the background; it connects (and reconnects) on its own."""
+        self._task = asyncio.create_task(self._run(), name=f"{self.name} stream")
+
+    async def wait_connected(self) -> None:
+        await self._connected.wait()
+
     async def start(self, timeout_s: float) -> None:
         """Starts the stream and waits until its first call is open."""
-        self._task = asyncio.create_task(self._run(), name=f"{self.name} stream")
+        self.launch()
+        assert self._task is not None
         connected = asyncio.create_task(self._connected.wait())
         done, _ = await asyncio.wait({connected, self._task}, timeout=timeout_s,
                                      return_when=asyncio.FIRST_COMPLETED)
@@ -66,6 +78,13 @@ class FrameStream(Generic[OutFrame, InFrame]):
     async def _run(self) -> None:
         while True:
             await self._channel.channel_ready()
+            if self._before_open is not None:
+                try:
+                    await self._before_open()
+                except Exception as exc:  # grpc.aio.AioRpcError, or the check's own refusal
+                    logger.warning("%s: not opening the stream (%s); retrying", self.name, exc)
+                    await asyncio.sleep(self._reconnect_delay_s)
+                    continue
             call = self._open_call()
             self._connected.set()
             logger.info("%s: stream open", self.name)

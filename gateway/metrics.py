@@ -1,8 +1,9 @@
 """The gateway's Prometheus metrics, named after vLLM's (`vllm:x` → `tokenwire:x`) where one exists.
 
 app.py makes one GatewayMetrics per app (its own registry), wraps every request's event stream
-in `metered` (TTFT, inter-token and end-to-end latency, token counts), refreshes the model
-worker's queue gauges from GetLoad on each scrape, and the pipeline counts worker RPC errors.
+in `metered` (TTFT, inter-token and end-to-end latency, token counts), refreshes each model worker
+replica's queue gauges from GetLoad on each scrape (label `worker`), and the pipeline counts worker
+RPC errors.
 """
 
 from __future__ import annotations
@@ -33,11 +34,18 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.num_requests_running = Gauge(f"{PREFIX}num_requests_running",
-                                          "Requests the model worker is running (GetLoad)", registry=r)
+                                          "Requests the model worker is running (GetLoad)", ["worker"], registry=r)
         self.num_requests_waiting = Gauge(f"{PREFIX}num_requests_waiting",
-                                          "Requests waiting in the model worker's queue (GetLoad)", registry=r)
+                                          "Requests waiting in the model worker's queue (GetLoad)", ["worker"],
+                                          registry=r)
         self.kv_cache_usage_perc = Gauge(f"{PREFIX}kv_cache_usage_perc",
-                                         "Fraction of KV cache blocks in use, 0..1 (GetLoad)", registry=r)
+                                         "Fraction of KV cache blocks in use, 0..1 (GetLoad)", ["worker"], registry=r)
+        self.model_worker_sequences = Gauge(f"{PREFIX}gateway_model_worker_sequences",
+                                            "Sequences the gateway has placed on each model worker replica",
+                                            ["worker"], registry=r)
+        self.model_worker_connected = Gauge(f"{PREFIX}gateway_model_worker_connected",
+                                            "1 while the model worker replica takes new requests, else 0",
+                                            ["worker"], registry=r)
         self.num_requests_live = Gauge(f"{PREFIX}gateway_num_requests_live",
                                        "Generation requests the gateway has in flight to the workers", registry=r)
         self.time_to_first_token = Histogram(f"{PREFIX}time_to_first_token_seconds",
@@ -55,15 +63,22 @@ class GatewayMetrics:
                                        ["finished_reason"], registry=r)
         self.model_worker_rpc_errors = Counter(f"{PREFIX}model_worker_rpc_errors",
                                                "Failed model worker RPCs and per-request refusals",
-                                               ["rpc", "code"], registry=r)
+                                               ["worker", "rpc", "code"], registry=r)
         self.detok_rpc_errors = Counter(f"{PREFIX}detok_rpc_errors", "Failed detok worker RPCs",
                                         ["worker", "rpc"], registry=r)
 
-    def set_load(self, load: model_worker_pb2.WorkerLoad) -> None:
-        self.num_requests_running.set(load.num_running)
-        self.num_requests_waiting.set(load.num_waiting)
+    def clear_replicas(self) -> None:
+        """Forgets every per-replica series before a scrape sets them again: a replica that left
+        (or stopped answering) shows no stale numbers."""
+        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc,
+                      self.model_worker_sequences, self.model_worker_connected):
+            gauge.clear()
+
+    def set_load(self, worker: str, load: model_worker_pb2.WorkerLoad) -> None:
+        self.num_requests_running.labels(worker=worker).set(load.num_running)
+        self.num_requests_waiting.labels(worker=worker).set(load.num_waiting)
         if load.kv_blocks_total:
-            self.kv_cache_usage_perc.set(load.kv_blocks_used / load.kv_blocks_total)
+            self.kv_cache_usage_perc.labels(worker=worker).set(load.kv_blocks_used / load.kv_blocks_total)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

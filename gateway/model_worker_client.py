@@ -1,12 +1,14 @@
-"""The gateway's side of the model worker: one multiplexed Generate stream for every request.
+"""The gateway's side of one model worker replica: one multiplexed Generate stream for its requests.
 
 The pipeline queues AddRequests and aborts here; they leave in batched RequestFrames, and
-each TokenFrame that comes back is handed whole to the pipeline's callback.
+each TokenFrame that comes back is handed whole to the pipeline's callback. Before every
+(re)connect the replica's ModelInfo is checked against the model the gateway serves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -16,24 +18,69 @@ from gateway.frame_stream import FrameStream
 from gateway.worker_health import WatchedFrameStream, WorkerHealth
 from tokenwire.v1 import model_worker_pb2, model_worker_pb2_grpc
 
+logger = logging.getLogger(__name__)
+
+# A replica that serves another model is asked again this often (it may be redeployed).
+_MISMATCH_RECHECK_S = 10.0
+
+
+class ModelMismatchError(RuntimeError):
+    pass
+
+
+def model_mismatch(expected: model_worker_pb2.ModelInfo, actual: model_worker_pb2.ModelInfo) -> str:
+    """Why a replica serving `actual` cannot share requests with one serving `expected` ('' if it can):
+    the same request must tokenize, fit and decode the same wherever it is placed."""
+    differences = []
+    for name in ("model_id", "vocab_size", "max_model_len", "chat_template"):
+        if getattr(expected, name) != getattr(actual, name):
+            shown = (lambda v: f"{len(v)} chars") if name == "chat_template" else repr
+            differences.append(f"{name} {shown(getattr(actual, name))} "
+                               f"(expected {shown(getattr(expected, name))})")
+    # The hash names the tokenizer; its directory may differ from host to host.
+    same_tokenizer = (expected.tokenizer.sha256 == actual.tokenizer.sha256 and
+                      (bool(expected.tokenizer.sha256) or expected.tokenizer.path == actual.tokenizer.path))
+    if not same_tokenizer:
+        differences.append(f"tokenizer {actual.tokenizer.path!r} sha256 {actual.tokenizer.sha256[:12]!r} "
+                           f"(expected {expected.tokenizer.path!r} sha256 {expected.tokenizer.sha256[:12]!r})")
+    return ", ".join(differences)
+
 
 class ModelWorkerClient:
-    def __init__(self, channel: grpc.aio.Channel, on_frame: Callable[[model_worker_pb2.TokenFrame], None],
+    def __init__(self, address: str, channel: grpc.aio.Channel,
+                 on_frame: Callable[[model_worker_pb2.TokenFrame], None],
                  on_lost: Callable[[Exception], None]) -> None:
+        self.address = address
+        self.channel = channel
         self._stub = model_worker_pb2_grpc.ModelWorkerStub(channel)
         # Insertion-ordered, so adds leave in arrival order; an abort of a request still
         # queued here just drops its add, and the worker never hears of it.
         self._adds: dict[str, model_worker_pb2.AddRequest] = {}
-        self._aborts: list[str] = []
+        self._aborts: list[model_worker_pb2.AbortRequest] = []
         self._on_lost = on_lost
-        self.health = WorkerHealth("model worker", channel)
+        # Kept by the pipeline for least-loaded placement: sequences (n per request) placed here
+        # and not ended, and until when (time.monotonic()) the replica counts as full after it
+        # refused an add with RESOURCE_EXHAUSTED.
+        self.num_sequences = 0
+        self.full_until = 0.0
+        # The model the gateway serves (set before the stream starts); a replica whose ModelInfo
+        # differs is never connected, and `refusal` says why.
+        self.expected_model: model_worker_pb2.ModelInfo | None = None
+        self.refusal = ""
+        name = f"model worker {address}"
+        self.health = WorkerHealth(name, channel)
         self.stream: FrameStream[model_worker_pb2.RequestFrame, model_worker_pb2.TokenFrame] = WatchedFrameStream(
-            self.health, "model worker", channel, self._stub.Generate, self._take_frame, on_frame, self._lost)
+            self.health, name, channel, self._stub.Generate, self._take_frame, on_frame, self._lost,
+            before_open=self._check_model)
 
     @property
     def connected(self) -> bool:
         """The stream is up and the worker takes new requests (not draining)."""
         return self.stream.connected and self.health.serving
+
+    @property
+    def full(self) -> bool:
+        return time.monotonic() < self.full_until
 
     async def get_model_info(self, timeout_s: float) -> model_worker_pb2.ModelInfo:
         """Retries until the worker answers (it may still be loading weights) or timeout_s passes."""
@@ -59,15 +106,35 @@ class ModelWorkerClient:
 
     def abort(self, request_id: str) -> None:
         if self._adds.pop(request_id, None) is None:
-            self._aborts.append(request_id)
+            self._aborts.append(model_worker_pb2.AbortRequest(request_id=request_id))
             self.stream.wake()
+
+    def abort_outputs(self, request_id: str, indexes: list[int]) -> None:
+        """Ends only these of the request's n outputs (one hit a stop string); the others go on."""
+        self._aborts.append(model_worker_pb2.AbortRequest(request_id=request_id, indexes=indexes))
+        self.stream.wake()
+
+    async def _check_model(self) -> None:
+        """Runs before each (re)connect: the process behind the address may be a new one."""
+        if self.expected_model is None:
+            return
+        info = await self._stub.GetModelInfo(model_worker_pb2.GetModelInfoRequest(), timeout=10.0,
+                                             wait_for_ready=True)
+        mismatch = model_mismatch(self.expected_model, info)
+        if mismatch and mismatch != self.refusal:
+            logger.error("model worker %s refused: it serves a different model than the gateway: %s; "
+                         "no requests go to it", self.address, mismatch)
+        self.refusal = mismatch
+        if mismatch:
+            await asyncio.sleep(_MISMATCH_RECHECK_S)
+            raise ModelMismatchError(f"serves a different model: {mismatch}")
 
     def _take_frame(self) -> model_worker_pb2.RequestFrame | None:
         if not self._adds and not self._aborts:
             return None
         frame = model_worker_pb2.RequestFrame(
             adds=self._adds.values(),
-            aborts=[model_worker_pb2.AbortRequest(request_id=r) for r in self._aborts])
+            aborts=self._aborts)
         self._adds = {}
         self._aborts = []
         return frame

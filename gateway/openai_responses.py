@@ -11,10 +11,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, model_serializer
 
 
+class PromptTokensDetails(BaseModel):
+    # Prompt tokens whose KV the model worker's prefix cache already held (OpenAI's field).
+    cached_tokens: int
+    # OpenAI sends it on text models too, as 0; these models take no audio.
+    audio_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

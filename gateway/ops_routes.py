@@ -21,6 +21,7 @@ from gateway.pipeline import Pipeline
 from gateway.prompt_tokenizer import PromptTokenizer
 from gateway.request_mapping import chat_messages_of, check_token_ids
 from gateway.token_rendering import TokenRenderer
+from tokenwire.v1.model_worker_pb2 import WorkerLoad
 
 # Readiness and scrapes must answer quickly even when a worker hangs.
 _PROBE_TIMEOUT_S = 2.0
@@ -56,24 +57,23 @@ def ops_router(error_responses: dict[int | str, dict[str, Any]]) -> APIRouter:
 
     @router.get("/ready", responses={503: error_responses[503]})
     async def ready(request: Request) -> dict[str, Any]:
-        """Readiness: both worker streams are open, the model worker answers GetModelInfo (its
-        model is loaded) and GetLoad, every detok replica's stream is up."""
+        """Readiness: at least one model worker replica has its stream open and answers GetLoad, and
+        at least one detok replica's stream is up; the body (or the 503's message) lists the
+        replicas that take no new work, and each answering replica's queue."""
         pipeline: Pipeline = request.app.state.pipeline
-        down = [d.address for d in pipeline.detoks if not d.connected]
-        if down:
-            raise workers_unavailable(f"detok worker stream down: {', '.join(down)}")
-        if not pipeline.model.connected:
-            raise workers_unavailable("the model worker stream is down")
-        try:
-            info, load = await asyncio.gather(pipeline.model.get_model_info(_PROBE_TIMEOUT_S),
-                                              _load_or_none(pipeline, request.app.state.metrics))
-        except grpc.aio.AioRpcError as exc:
-            raise workers_unavailable(f"the model worker does not answer: {exc.code().name}") from exc
-        body: dict[str, Any] = {"status": "ready", "model": info.model_id, "detok_workers": len(pipeline.detoks)}
-        if load is not None:
-            body["load"] = {"num_running": load.num_running, "num_waiting": load.num_waiting,
-                            "max_waiting": load.max_waiting, "kv_blocks_used": load.kv_blocks_used,
-                            "kv_blocks_total": load.kv_blocks_total}
+        loads, down = await _replica_loads(pipeline, request.app.state.metrics)
+        detoks_up = [d.address for d in pipeline.detoks if d.connected]
+        down += [f"detok worker {d.address} ({'draining' if d.stream.connected else 'stream down'})"
+                 for d in pipeline.detoks if not d.connected]
+        if not loads or not detoks_up:
+            missing = "no model worker replica" if not loads else "no detok replica"
+            raise workers_unavailable(f"not ready: {missing} is connected; down: {'; '.join(down)}")
+        body: dict[str, Any] = {"status": "ready", "model": pipeline.model_info.model_id,
+                                "model_workers": sorted(loads), "detok_workers": detoks_up, "down": down}
+        body["load"] = {address: {"num_running": load.num_running, "num_waiting": load.num_waiting,
+                                  "max_waiting": load.max_waiting, "kv_blocks_used": load.kv_blocks_used,
+                                  "kv_blocks_total": load.kv_blocks_total}
+                        for address, load in loads.items() if load is not None}
         return body
 
     @router.get("/metrics", response_class=Response,
@@ -83,10 +83,7 @@ def ops_router(error_responses: dict[int | str, dict[str, Any]]) -> APIRouter:
         pipeline: Pipeline = request.app.state.pipeline
         m: GatewayMetrics = request.app.state.metrics
         m.num_requests_live.set(pipeline.num_live_requests)
-        try:
-            await _load_or_none(pipeline, m)
-        except grpc.aio.AioRpcError:
-            pass  # counted; the other series are still worth a scrape
+        await _replica_loads(pipeline, m)  # failures are counted; the other series are still worth a scrape
         return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
     @router.post("/tokenize", responses=error_responses)
@@ -112,16 +109,30 @@ def ops_router(error_responses: dict[int | str, dict[str, Any]]) -> APIRouter:
     return router
 
 
-async def _load_or_none(pipeline: Pipeline, metrics: GatewayMetrics) -> Any:
-    """The model worker's WorkerLoad (and the gauges set from it), or None from a worker that
-    has no GetLoad yet; other RPC failures are counted and raised."""
-    try:
-        load = await pipeline.model.get_load(_PROBE_TIMEOUT_S)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-            return None
-        metrics.model_worker_rpc_errors.labels(rpc="GetLoad", code=exc.code().name).inc()
-        raise
-    metrics.set_load(load)
-    return load
-
+async def _replica_loads(pipeline: Pipeline,
+                         metrics: GatewayMetrics) -> tuple[dict[str, WorkerLoad | None], list[str]]:
+    """Each connected model worker replica's WorkerLoad (None from one without GetLoad), by address,
+    with the per-replica gauges set from them; and why each other replica is down. A replica whose
+    GetLoad fails is counted as down."""
+    replicas = pipeline.model_workers.live
+    connected = [r for r in replicas if r.connected]
+    answers = await asyncio.gather(*(r.get_load(_PROBE_TIMEOUT_S) for r in connected), return_exceptions=True)
+    metrics.clear_replicas()
+    for replica in replicas:
+        metrics.model_worker_sequences.labels(worker=replica.address).set(replica.num_sequences)
+        metrics.model_worker_connected.labels(worker=replica.address).set(int(replica.connected))
+    loads: dict[str, WorkerLoad | None] = {}
+    down = pipeline.model_workers.down()
+    for replica, answer in zip(connected, answers, strict=True):
+        if isinstance(answer, WorkerLoad):
+            metrics.set_load(replica.address, answer)
+            loads[replica.address] = answer
+        elif isinstance(answer, grpc.aio.AioRpcError) and answer.code() == grpc.StatusCode.UNIMPLEMENTED:
+            loads[replica.address] = None  # a worker without GetLoad yet
+        elif isinstance(answer, grpc.aio.AioRpcError):
+            metrics.model_worker_rpc_errors.labels(worker=replica.address, rpc="GetLoad",
+                                                   code=answer.code().name).inc()
+            down.append(f"model worker {replica.address} (does not answer GetLoad: {answer.code().name})")
+        else:
+            raise answer
+    return loads, down

@@ -1,8 +1,9 @@
 """Per-request orchestration: prompt ids → model worker → detok worker → GenerationEvents.
 
-app.py calls Pipeline.generate once per prompt (all n choices in one request); the model
-worker's reader forwards every TokenFrame in bulk (one DetokenizeFrame per detok replica) and
-the detok readers push the text deltas into the per-request queues that generate() drains.
+app.py calls Pipeline.generate once per prompt (all n choices in one request), placed on one
+model worker replica (ModelWorkerPool.pick); each replica's reader forwards every TokenFrame in
+bulk (one DetokenizeFrame per detok replica) and the detok readers push the text deltas into the
+per-request queues that generate() drains.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from gateway.config import Config
-from gateway.detok_client import DetokClient
-from gateway.errors import APIError, from_grpc_code, workers_unavailable
+from gateway.detok_client import ColumnRow, DetokClient
+from gateway.errors import RETRY_AFTER_S, APIError, from_grpc_code, workers_unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.model_worker_client import ModelWorkerClient
+from gateway.model_worker_pool import ModelWorkerPool
 from gateway.prompt_tokenizer import PromptTokenizer
 from gateway.request_mapping import GenerationParams, add_request, open_sequence
 from gateway.request_state import GenerationEvent, RequestState, prompt_logprobs_of
@@ -32,6 +34,8 @@ from tokenwire.v1 import detok_worker_pb2, model_worker_pb2
 
 logger = logging.getLogger(__name__)
 
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]  # a full waiting queue
+
 
 @dataclass
 class _LiveRequest:
@@ -41,20 +45,24 @@ class _LiveRequest:
     params: GenerationParams
     prompt_token_ids: Sequence[int]
     detok: DetokClient
+    # The model worker replica running it: its adds, aborts and TokenFrames go through this one.
+    model: ModelWorkerClient
     events: asyncio.Queue[tuple[int, GenerationEvent] | APIError]
     # Every output has its finish_reason from the model worker (or the worker dropped it).
     model_finished: bool = False
+    # Replicas that refused it as full before it ran anywhere.
+    models_full: list[ModelWorkerClient] = field(default_factory=list)
 
 
 class Pipeline:
     """Owns the worker streams and the table of live requests both readers dispatch into."""
 
-    def __init__(self, config: Config, model_channel: grpc.aio.Channel,
-                 detok_channels: Sequence[grpc.aio.Channel], metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, config: Config, detok_channels: Sequence[grpc.aio.Channel],
+                 metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        self._channels = [model_channel, *detok_channels]
-        self.model = ModelWorkerClient(model_channel, self._on_token_frame, self._on_model_lost)
+        self._channels = list(detok_channels)
+        self.model_workers = ModelWorkerPool(config, self._on_replica_token_frame, self._on_model_lost)
         self.detoks = [DetokClient(i, address, channel, self._on_text_delta_frame, self._on_detok_lost)
                        for i, (address, channel) in enumerate(zip(config.detok_workers, detok_channels, strict=True))]
         self._live: dict[str, _LiveRequest] = {}
@@ -67,9 +75,8 @@ class Pipeline:
     @classmethod
     async def connect(cls, config: Config, metrics: GatewayMetrics | None = None) -> Pipeline:
         """Waits (up to config.startup_timeout_s) for both kinds of worker, then opens the streams."""
-        model_channel = aio_channel(config.model_worker, config.worker_tls, CHANNEL_OPTIONS)
         detok_channels = [aio_channel(a, config.worker_tls, CHANNEL_OPTIONS) for a in config.detok_workers]
-        pipeline = cls(config, model_channel, detok_channels, metrics)
+        pipeline = cls(config, detok_channels, metrics)
         try:
             await pipeline._start()
         except BaseException:
@@ -79,26 +86,27 @@ class Pipeline:
 
     async def _start(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
-        self.model_info = await self.model.get_model_info(self.config.startup_timeout_s)
-        logger.info("model worker serves %s (max_model_len %d)", self.model_info.model_id,
-                    self.model_info.max_model_len)
+        # Every model worker replica must serve this one model; the pool refuses any other.
+        await self.model_workers.start(self.config.startup_timeout_s)
+        self.model_info = self.model_workers.model_info
         self.tokenizer = await asyncio.to_thread(
             PromptTokenizer.load, self.model_info.tokenizer, self.model_info.chat_template)
         # Logprob tokens as the detok worker renders them; LocalRenderer(self.tokenizer) is the
         # in-gateway fallback with the same convention.
         self.renderer = DetokRenderer(self._render_tokens)
-        for client in [self.model, *self.detoks]:
-            await client.stream.start(max(deadline - time.monotonic(), 1.0))
+        for detok in self.detoks:
+            await detok.stream.start(max(deadline - time.monotonic(), 1.0))
 
     async def close(self) -> None:
         for request in list(self._live.values()):
             self._fail(request, workers_unavailable("the gateway is shutting down"))
-        await asyncio.gather(self.model.stream.close(), *(d.stream.close() for d in self.detoks))
+        await asyncio.gather(self.model_workers.close(), *(d.stream.close() for d in self.detoks))
         await asyncio.gather(*(channel.close() for channel in self._channels))
 
     @property
     def ready(self) -> bool:
-        return self.model.connected and all(d.connected for d in self.detoks)
+        """At least one model worker replica and one detok replica take new requests."""
+        return self.model_workers.any_connected and any(d.connected for d in self.detoks)
 
     @property
     def num_live_requests(self) -> int:
@@ -114,17 +122,19 @@ class Pipeline:
         output is its own detok sequence. Leaving early (client gone, task cancelled) aborts the
         request on the model worker and closes its detok sequences.
         """
-        if not self.model.connected:
-            raise workers_unavailable("the model worker is not connected")
+        model = self.model_workers.pick()
+        if model is None:
+            raise workers_unavailable("no model worker is connected")
         detok = self._pick_detok()
         request_id = uuid.uuid4().hex
         states = [RequestState(f"{request_id}-{i}", len(prompt_token_ids)) for i in range(params.n)]
-        request = _LiveRequest(request_id, states, params, prompt_token_ids, detok, asyncio.Queue())
+        request = _LiveRequest(request_id, states, params, prompt_token_ids, detok, model, asyncio.Queue())
         self._live[request_id] = request
         for index, state in enumerate(states):
             self._sequences[state.request_id] = (request, index)
         detok.num_open_sequences += len(states)
-        self.model.add(add_request(request_id, prompt_token_ids, params))
+        model.num_sequences += len(states)
+        model.add(add_request(request_id, prompt_token_ids, params))
         try:
             num_finished = 0
             while num_finished < len(states):
@@ -138,6 +148,7 @@ class Pipeline:
             if self._live.get(request_id) is request:
                 self._end(request)
             detok.num_open_sequences -= len(states)
+            request.model.num_sequences -= len(states)
 
     async def _render_tokens(self, token_ids: Sequence[int]) -> detok_worker_pb2.RenderedTokens:
         request = detok_worker_pb2.RenderTokensRequest(tokenizer=self.model_info.tokenizer,
@@ -166,7 +177,7 @@ class Pipeline:
             if state.detok_opened and not state.finished:
                 request.detok.close_sequence(state.request_id)
         if not request.model_finished:
-            self.model.abort(request.request_id)
+            request.model.abort(request.request_id)
 
     def _fail(self, request: _LiveRequest, error: APIError) -> None:
         self._end(request)
@@ -174,14 +185,48 @@ class Pipeline:
 
     # ---- reader callbacks: run on the event loop, never await ----
 
+    def _on_replica_token_frame(self, replica: ModelWorkerClient, frame: model_worker_pb2.TokenFrame) -> None:
+        """Hands _on_token_frame only the sequences of requests placed on `replica`; a request it
+        refused as full (before running it) moves to another replica instead of failing with 429."""
+        keep = [self._keeps(replica, seq) for seq in frame.sequences]
+        if not all(keep):
+            frame = model_worker_pb2.TokenFrame(sequences=[s for s, k in zip(frame.sequences, keep, strict=True) if k])
+        self._on_token_frame(frame)
+
+    def _keeps(self, replica: ModelWorkerClient, seq: model_worker_pb2.SequenceTokens) -> bool:
+        request = self._live.get(seq.request_id)
+        if request is None:
+            return True  # _on_token_frame drops it: ended here, the worker has not heard yet
+        if request.model is not replica:
+            return False  # moved away after a refusal, or a confused worker: not its request
+        if seq.finish_reason != model_worker_pb2.FINISH_REASON_ERROR or seq.error.code != _RESOURCE_EXHAUSTED:
+            return True
+        replica.full_until = time.monotonic() + RETRY_AFTER_S
+        request.models_full.append(replica)
+        other = self.model_workers.pick(exclude=request.models_full)
+        if other is None:
+            return True  # every replica is full: the 429 goes to the client
+        replica.num_sequences -= len(request.states)
+        other.num_sequences += len(request.states)
+        request.model = other
+        other.add(add_request(request.request_id, request.prompt_token_ids, request.params))
+        return False
+
     def _on_token_frame(self, frame: model_worker_pb2.TokenFrame) -> None:
         """Records every sequence's tokens and forwards them as one DetokenizeFrame per replica."""
         opens: dict[int, list[detok_worker_pb2.OpenSequence]] = {}
         tokens: dict[int, list[detok_worker_pb2.SequenceTokenIds]] = {}
+        rows: dict[int, list[ColumnRow]] = {}
         for seq in frame.sequences:
             request = self._live.get(seq.request_id)
             if request is None:
                 continue  # aborted or ended by stop strings; the worker has not heard yet
+            if (seq.finish_reason == model_worker_pb2.FINISH_REASON_ABORT and 0 <= seq.index < len(request.states)
+                    and request.states[seq.index].finished):
+                # The answer to abort_outputs: this output stopped at a stop string, the others go on.
+                request.states[seq.index].model_finish_reason = seq.finish_reason
+                request.model_finished = all(s.model_finished for s in request.states)
+                continue
             if seq.finish_reason in (model_worker_pb2.FINISH_REASON_ERROR, model_worker_pb2.FINISH_REASON_ABORT):
                 request.model_finished = True
                 if seq.finish_reason == model_worker_pb2.FINISH_REASON_ERROR:
@@ -205,66 +250,99 @@ class Pipeline:
             if state.finished:
                 continue  # a stop string ended this output; the others go on
             index = request.detok.index
+            renders = bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
             if not state.detok_opened:
                 # Opened with its first tokens: a request the model worker refuses never
                 # costs the detok worker anything.
                 state.detok_opened = True
-                opens.setdefault(index, []).append(open_sequence(
-                    state.request_id, self.model_info.tokenizer, request.prompt_token_ids, request.params))
+                open_ = open_sequence(state.request_id, self.model_info.tokenizer, request.prompt_token_ids,
+                                      request.params)
+                if not renders:  # its ids go as TokenColumns rows, its plain text comes back in columns
+                    request.detok.assign_handle(open_)
+                opens.setdefault(index, []).append(open_)
+            if not renders and request.detok.has_handle(state.request_id):
+                rows.setdefault(index, []).append((state.request_id, seq.token_ids, state.model_finished))
+                continue
             entry = detok_worker_pb2.SequenceTokenIds(sequence_id=state.request_id, token_ids=seq.token_ids,
                                                       finished=state.model_finished)
-            if request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream:
+            if renders:
                 render_ids = logprob_ids(seq)
                 entry.render_token_ids = pack_int32(render_ids)
                 state.pending_render_ids.extend(render_ids)
             tokens.setdefault(index, []).append(entry)
-        for index in tokens.keys() | opens.keys():
-            self.detoks[index].send(opens.get(index, ()), tokens.get(index, ()))
+        for index in tokens.keys() | opens.keys() | rows.keys():
+            self.detoks[index].send(opens.get(index, ()), tokens.get(index, ()), rows.get(index, ()))
 
     def _on_text_delta_frame(self, index: int, frame: detok_worker_pb2.TextDeltaFrame) -> None:
         for delta in frame.deltas:
-            found = self._sequences.get(delta.sequence_id)
-            if found is None or found[0].detok.index != index:
-                continue
-            request, choice = found
-            state = request.states[choice]
-            if delta.rendered.text and self.renderer is not None:
-                num_rendered = len(delta.rendered.text)
-                self.renderer.absorb(state.pending_render_ids[:num_rendered], delta.rendered)
-                del state.pending_render_ids[:num_rendered]
-            if delta.error:
-                state.finished = True
-                if self.metrics is not None:
-                    self.metrics.detok_rpc_errors.labels(worker=request.detok.address, rpc="Detokenize").inc()
-                self._fail(request, APIError(500, f"detokenizing failed: {delta.error}"))
-                continue
-            if not delta.text and not delta.finished:
-                # Text held back (half a character, a possible stop string): its tokens ride
-                # with the next text.
-                state.num_accounted += delta.num_tokens
-                continue
-            if (request.params.prompt_logprobs is not None and state.prompt_logprobs is None
-                    and state.num_events == 0):
-                # Asked for and not sent: a model worker without prompt logprobs ignored the field.
-                self._fail(request, APIError(400, "this model worker does not return prompt logprobs "
-                                                  "(prompt_logprobs, or echo with logprobs)",
-                                             param="prompt_logprobs"))
-                continue
-            event = state.take_event(delta)
-            if delta.finished:
-                self._sequences.pop(state.request_id, None)
-                if all(s.finished for s in request.states):
-                    # A stop string may have ended the text early: the model worker need not go on.
-                    self._end(request)
-            request.events.put_nowait((choice, event))
+            self._on_text_delta(index, delta.sequence_id, delta)
+        columns = frame.columns
+        if columns.handles:
+            # Plain text of handled sequences: each entry reads as a TextDelta with text and
+            # num_tokens only (not finished, no stop, no error, nothing rendered).
+            names = self.detoks[index].sequence_of_handle
+            text = columns.text
+            offset = 0
+            for handle, length, num_tokens in zip(unpack_int32(columns.handles).tolist(),
+                                                  unpack_int32(columns.text_lengths).tolist(),
+                                                  unpack_int32(columns.num_tokens).tolist(), strict=True):
+                name = names[handle] if 0 < handle < len(names) else None
+                if name is not None:
+                    self._on_text_delta(index, name, detok_worker_pb2.TextDelta(
+                        text=text[offset:offset + length].decode("utf-8"), num_tokens=num_tokens, stop_index=-1))
+                offset += length
 
-    def _on_model_lost(self, error: Exception) -> None:
+    def _on_text_delta(self, index: int, sequence_id: str, delta: detok_worker_pb2.TextDelta) -> None:
+        """One sequence's reply: a TextDelta, or a TextColumns entry made into one."""
+        found = self._sequences.get(sequence_id)
+        if found is None or found[0].detok.index != index:
+            return
+        request, choice = found
+        state = request.states[choice]
+        if delta.finished:  # the worker forgot the sequence: its handle may take another
+            request.detok.sequence_finished(sequence_id)
+        if delta.rendered.text and self.renderer is not None:
+            num_rendered = len(delta.rendered.text)
+            self.renderer.absorb(state.pending_render_ids[:num_rendered], delta.rendered)
+            del state.pending_render_ids[:num_rendered]
+        if delta.error:
+            state.finished = True
+            if self.metrics is not None:
+                self.metrics.detok_rpc_errors.labels(worker=request.detok.address, rpc="Detokenize").inc()
+            self._fail(request, APIError(500, f"detokenizing failed: {delta.error}"))
+            return
+        if not delta.text and not delta.finished:
+            # Text held back (half a character, a possible stop string): its tokens ride
+            # with the next text.
+            state.num_accounted += delta.num_tokens
+            return
+        if (request.params.prompt_logprobs is not None and state.prompt_logprobs is None
+                and state.num_events == 0):
+            # Asked for and not sent: a model worker without prompt logprobs ignored the field.
+            self._fail(request, APIError(400, "this model worker does not return prompt logprobs "
+                                              "(prompt_logprobs, or echo with logprobs)",
+                                         param="prompt_logprobs"))
+            return
+        event = state.take_event(delta)
+        if delta.finished:
+            self._sequences.pop(state.request_id, None)
+            if all(s.finished for s in request.states):
+                # A stop string may have ended the text early: the model worker need not go on.
+                self._end(request)
+            elif delta.stop_index >= 0 and not state.model_finished:
+                # One of n choices hit a stop string: it alone stops computing on the model worker.
+                request.model.abort_outputs(request.request_id, [choice])
+        request.events.put_nowait((choice, event))
+
+    def _on_model_lost(self, replica: ModelWorkerClient, error: Exception) -> None:
         if self.metrics is not None:
             code = error.code().name if isinstance(error, grpc.aio.AioRpcError) else "STREAM_ENDED"
-            self.metrics.model_worker_rpc_errors.labels(rpc="Generate", code=code).inc()
+            self.metrics.model_worker_rpc_errors.labels(worker=replica.address, rpc="Generate", code=code).inc()
         for request in list(self._live.values()):
+            if request.model is not replica:
+                continue  # other replicas carry on
             request.model_finished = True  # the lost stream took the request with it
-            self._fail(request, workers_unavailable(f"lost the model worker stream: {error}"))
+            self._fail(request, workers_unavailable(f"lost the model worker stream ({replica.address}): {error}"))
 
     def _on_detok_lost(self, index: int, error: Exception) -> None:
         if self.metrics is not None:

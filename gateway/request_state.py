@@ -54,6 +54,8 @@ class GenerationEvent:
     num_prompt_tokens: int = 0
     # Output tokens that count for usage so far: after a stop string, those up to it.
     num_output_tokens: int = 0
+    # Prompt tokens the model worker's prefix cache served (usage.prompt_tokens_details).
+    num_cached_prompt_tokens: int = 0
     # On a choice's first event only, when the request asked for prompt logprobs.
     prompt_logprobs: PromptLogprobs | None = None
 
@@ -64,6 +66,7 @@ class RequestState:
     def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_prompt_tokens = 0
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
@@ -95,6 +98,8 @@ class RequestState:
             self.top_logprobs.extend(list(zip(ids, lps, strict=True)) for ids, lps in zip(top_ids, top_lps, strict=True))
         if seq.num_prompt_tokens:
             self.num_prompt_tokens = seq.num_prompt_tokens
+        if seq.num_cached_prompt_tokens:
+            self.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
         self.model_finish_reason = seq.finish_reason
 
     def take_event(self, delta: detok_worker_pb2.TextDelta) -> GenerationEvent:
@@ -129,5 +134,6 @@ class RequestState:
             finish_reason=finish_reason,
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=num_output_tokens,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
             prompt_logprobs=self.prompt_logprobs if self.num_events == 1 else None,
         )

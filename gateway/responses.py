@@ -28,6 +28,7 @@ from gateway.openai_responses import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -72,6 +73,7 @@ class ChoiceOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, event: GenerationEvent) -> None:
@@ -81,6 +83,7 @@ class ChoiceOutput:
         self.top_logprobs.extend(event.top_logprobs)
         self.finish_reason = event.finish_reason or self.finish_reason
         self.num_output_tokens = event.num_output_tokens
+        self.num_cached_prompt_tokens = event.num_cached_prompt_tokens
         self.prompt_logprobs = event.prompt_logprobs or self.prompt_logprobs
 
     @property
@@ -93,9 +96,10 @@ class ChoiceOutput:
                                num_output_tokens=self.num_output_tokens, prompt_logprobs=self.prompt_logprobs)
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> Usage:
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_prompt_tokens: int = 0) -> Usage:
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_output_tokens,
-                 total_tokens=num_prompt_tokens + num_output_tokens)
+                 total_tokens=num_prompt_tokens + num_output_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_prompt_tokens))
 
 
 def vllm_prompt_logprobs(speller: TokenRenderer, prompt_ids: list[int],
@@ -134,6 +138,18 @@ class _Responder:
 
     def _prompt_ids(self, index: int) -> list[int]:
         raise NotImplementedError
+
+    def _prompt_index(self, choice: int) -> int:
+        return 0
+
+    def num_cached_prompt_tokens(self, per_choice: list[int]) -> int:
+        """The request's cached prompt tokens: each prompt counted once, though its n choices
+        (which share its prefill) all report it."""
+        per_prompt: dict[int, int] = {}
+        for choice, num_cached in enumerate(per_choice):
+            prompt = self._prompt_index(choice)
+            per_prompt[prompt] = max(per_prompt.get(prompt, 0), num_cached)
+        return sum(per_prompt.values())
 
     async def prepare(self, index: int, event: GenerationEvent) -> None:
         """Has the renderer ready for every token this event's logprobs will show."""
@@ -196,7 +212,8 @@ class ChatResponder(_Responder):
         prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None)
         return ChatCompletion(id=self.id, created=self.created, model=self.model,
                               system_fingerprint=SYSTEM_FINGERPRINT, choices=choices,
-                              usage=usage(num_prompt_tokens, sum(o.num_output_tokens for o in outputs)),
+                              usage=usage(num_prompt_tokens, sum(o.num_output_tokens for o in outputs),
+                                          self.num_cached_prompt_tokens([o.num_cached_prompt_tokens for o in outputs])),
                               prompt_logprobs=vllm_prompt_logprobs(self.speller, self.prompt_token_ids,
                                                                    prompt_logprobs))
 
@@ -219,6 +236,9 @@ class CompletionResponder(_Responder):
 
     def _prompt(self, index: int) -> PromptEcho:
         return self.prompts[index // self.n]
+
+    def _prompt_index(self, choice: int) -> int:
+        return choice // self.n
 
     def _prompt_ids(self, index: int) -> list[int]:
         return self._prompt(index).token_ids
@@ -286,7 +306,9 @@ class CompletionResponder(_Responder):
             choice.prompt_logprobs = vllm_prompt_logprobs(self.speller, self._prompt(i).token_ids,
                                                           out.prompt_logprobs)
             choices.append(choice)
-        return self._completion(choices, usage(num_prompt_tokens, sum(o.num_output_tokens for o in outputs)))
+        return self._completion(choices, usage(
+            num_prompt_tokens, sum(o.num_output_tokens for o in outputs),
+            self.num_cached_prompt_tokens([o.num_cached_prompt_tokens for o in outputs])))
 
 
 Responder = ChatResponder | CompletionResponder
@@ -294,9 +316,10 @@ Responder = ChatResponder | CompletionResponder
 ChoiceEvents = AsyncGenerator[tuple[int, GenerationEvent], None]
 
 
-def _with_running_usage(chunk: BaseModel, on: bool, num_prompt_tokens: int, num_output_tokens: list[int]) -> BaseModel:
+def _with_running_usage(chunk: BaseModel, on: bool, num_prompt_tokens: int, num_output_tokens: list[int],
+                        num_cached: int) -> BaseModel:
     if on:
-        chunk.usage = usage(num_prompt_tokens, sum(num_output_tokens))
+        chunk.usage = usage(num_prompt_tokens, sum(num_output_tokens), num_cached)
     return chunk
 
 
@@ -305,23 +328,27 @@ async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, r
     """The SSE body after the first event: every chunk (choices interleaved as their events come),
     the usage chunk if asked, then [DONE]."""
     num_output_tokens = [0] * num_choices
+    num_cached = [0] * num_choices
     with_usage = responder.include_usage
     continuous_usage = with_usage and responder.continuous_usage
     try:
         for chunk in responder.first_chunks(num_choices):
             yield sse_event(chunk, with_usage)
         index, event = first
-        num_output_tokens[index] = event.num_output_tokens
-        await responder.prepare(index, event)
-        yield sse_event(_with_running_usage(responder.chunk(index, event), continuous_usage, num_prompt_tokens,
-                                            num_output_tokens), with_usage)
-        async for index, event in events:
+        while True:
             num_output_tokens[index] = event.num_output_tokens
+            num_cached[index] = event.num_cached_prompt_tokens
             await responder.prepare(index, event)
             yield sse_event(_with_running_usage(responder.chunk(index, event), continuous_usage, num_prompt_tokens,
-                                                num_output_tokens), with_usage)
+                                                num_output_tokens, responder.num_cached_prompt_tokens(num_cached)),
+                            with_usage)
+            next_event = await anext(events, None)
+            if next_event is None:
+                break
+            index, event = next_event
         if with_usage:
-            yield sse_event(responder.usage_chunk(usage(num_prompt_tokens, sum(num_output_tokens))))
+            yield sse_event(responder.usage_chunk(usage(num_prompt_tokens, sum(num_output_tokens),
+                                                        responder.num_cached_prompt_tokens(num_cached))))
     except APIError as exc:
         # Headers are gone: the failure becomes the stream's last event, never a silent cut.
         yield error_sse_event(exc)

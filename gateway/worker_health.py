@@ -70,9 +70,9 @@ class WatchedFrameStream(FrameStream[Any, Any]):
         super().__init__(*args, **kwargs)
         self.health = health
 
-    async def start(self, timeout_s: float) -> None:
+    def launch(self) -> None:
         self.health.start()
-        await super().start(timeout_s)
+        super().launch()
 
     async def close(self) -> None:
         await self.health.close()

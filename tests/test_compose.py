@@ -145,7 +145,7 @@ def test_gateway_addresses_point_at_the_workers(compose):
     config = service_config("gateway", services["gateway"])
     model_worker_port = service_config("model_worker", services["model_worker"]).port
     detok_port = service_config("detok_worker", services["detok_worker"]).port
-    assert config.model_worker == f"model_worker:{model_worker_port}"
+    assert config.model_workers == [f"model_worker:{model_worker_port}"]
     assert config.detok_workers == [f"detok_worker:{detok_port}"]
 
 

@@ -208,7 +208,8 @@ def test_gateway_dials_the_worker_services_by_dns(objects) -> None:
         (port,) = services[name]["spec"]["ports"]
         return f"dns:///{name}:{port['port']}"
 
-    assert config.model_worker == service_address("model_worker")
+    # The gateway resolves this one name into a stream per model worker pod.
+    assert config.model_workers == [service_address("model_worker")]
     detok = deployment_for(objects, "detok_worker")
     assert set(config.detok_workers) == {service_address("detok_worker")}
     # Each stream sticks to a random replica: with fewer streams than replicas some would idle.

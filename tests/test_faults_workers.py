@@ -97,28 +97,40 @@ async def open_streams(client: httpx.AsyncClient, stack: Stack, model: str, coun
     return tasks
 
 
-def ready_status(stack: Stack) -> int:
-    """The gateway's readiness (/ready): 200 only while every worker stream is up."""
+def readiness(stack: Stack) -> tuple[int, list[str]]:
+    """The gateway's /ready status (200 while at least one model worker and one detok replica
+    take work) and the replicas it lists as down (in the body, or the 503's message)."""
     try:
-        return httpx.get(f"{stack.gateway_url}/ready", timeout=5).status_code
+        reply = httpx.get(f"{stack.gateway_url}/ready", timeout=5)
     except httpx.HTTPError:
-        return 0
+        return 0, ["the gateway does not answer"]
+    if reply.status_code == 200:
+        return 200, reply.json()["down"]
+    return reply.status_code, [reply.json()["error"]["message"]]
+
+
+def ready_status(stack: Stack) -> int:
+    return readiness(stack)[0]
 
 
 def wait_gateway_ready(stack: Stack, timeout_s: float) -> float:
     """Seconds until the gateway's readiness says every worker stream is up again."""
     started = time.monotonic()
-    while ready_status(stack) != 200:
+    while readiness(stack) != (200, []):
         assert time.monotonic() - started < timeout_s, f"gateway not ready {timeout_s:.0f}s after the restart"
         time.sleep(0.05)
     return time.monotonic() - started
 
 
-async def wait_not_ready(stack: Stack, timeout_s: float = 2.0) -> None:
-    """A draining worker turns NOT_SERVING; the gateway's health watch sees it within ms."""
+async def wait_listed_down(stack: Stack, address: str, timeout_s: float = 2.0) -> int:
+    """A draining worker turns NOT_SERVING; the gateway's health watch sees it within ms. Returns
+    /ready's status then (503 when no replica of its kind is left)."""
     started = time.monotonic()
-    while await asyncio.to_thread(ready_status, stack) != 503:
-        assert time.monotonic() - started < timeout_s, "the gateway still reports ready"
+    while True:
+        status, down = await asyncio.to_thread(readiness, stack)
+        if any(address in reason for reason in down):
+            return status
+        assert time.monotonic() - started < timeout_s, f"the gateway does not list {address} as down"
         await asyncio.sleep(0.02)
 
 
@@ -223,8 +235,9 @@ async def test_detok_replica_kill_fails_only_its_streams_and_the_other_takes_new
         time_to_abort = max(r.ended_at for r in failed) - killed_at
         assert time_to_abort < ABORT_LIMIT_S
         assert all(r.completion_tokens == 400 for r in completed)
-        # New sequences go to the live replica while the dead one is away.
-        assert ready_status(stack) == 503
+        # New sequences go to the live replica while the dead one is away; still ready on it.
+        status, down = readiness(stack)
+        assert status == 200 and down == [f"detok worker {stack.detok_addresses[0]} (stream down)"], down
         news = await asyncio.gather(*(one_completion(client, stack, model) for _ in range(4)))
         assert all(r.complete for r in news), news
 
@@ -248,7 +261,7 @@ async def test_model_worker_sigterm_drains_running_requests_then_exits(
         signalled_at = time.monotonic()
         worker.process.send_signal(signal.SIGTERM)
         # Draining: no new requests (503 at once), the running ones go on.
-        await wait_not_ready(stack)
+        assert await wait_listed_down(stack, stack.model_worker_address) == 503
         refused = await client.post(f"{stack.gateway_url}/v1/completions", json=unary_body(model, 4))
         assert refused.status_code == 503, refused.text
         results = await asyncio.wait_for(asyncio.gather(*tasks), DRAIN_GRACE_S + 5)
@@ -271,7 +284,7 @@ async def test_detok_sigterm_finishes_its_sequences_and_new_ones_go_to_the_other
     async with httpx.AsyncClient(timeout=60) as client:
         running = await open_streams(client, stack, model, 4, 100)  # on both replicas
         replica.process.send_signal(signal.SIGTERM)
-        await wait_not_ready(stack)
+        assert await wait_listed_down(stack, stack.detok_addresses[0]) == 200  # the other replica serves
         late = await open_streams(client, stack, model, 4, LONG)
         # The drain lets the sequences already on replica 0 finish...
         assert all(r.complete and r.completion_tokens == 100 for r in await asyncio.gather(*running))

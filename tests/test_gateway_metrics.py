@@ -50,11 +50,12 @@ async def test_metered_stream_records_latencies_tokens_and_the_access_record() -
 
 def test_load_gauges_and_error_counters() -> None:
     metrics = GatewayMetrics()
-    metrics.set_load(model_worker_pb2.WorkerLoad(num_running=3, num_waiting=2, kv_blocks_total=10, kv_blocks_used=4))
-    metrics.model_worker_rpc_errors.labels(rpc="Generate", code="UNAVAILABLE").inc()
+    metrics.set_load("m:1", model_worker_pb2.WorkerLoad(num_running=3, num_waiting=2, kv_blocks_total=10,
+                                                        kv_blocks_used=4))
+    metrics.model_worker_rpc_errors.labels(worker="m:1", rpc="Generate", code="UNAVAILABLE").inc()
     metrics.detok_rpc_errors.labels(worker="w:1", rpc="Detokenize").inc()
     text = metrics.render().decode()
-    assert sample(text, "tokenwire:num_requests_running") == 3
+    assert sample(text, 'tokenwire:num_requests_running{worker="m:1"}') == 3
     assert sample(text, "tokenwire:num_requests_waiting") == 2
     assert sample(text, "tokenwire:kv_cache_usage_perc") == 0.4
     assert sample(text, "tokenwire:model_worker_rpc_errors_total") == 1

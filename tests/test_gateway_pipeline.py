@@ -18,7 +18,7 @@ from gateway.errors import APIError
 from gateway.pipeline import Pipeline
 from gateway.request_mapping import GenerationParams
 from gateway.token_rendering import DetokRenderer
-from tokenwire.packing import pack_float32, pack_int32
+from tokenwire.packing import pack_float32, pack_int32, unpack_int32
 from tokenwire.v1 import common_pb2, detok_worker_pb2, model_worker_pb2
 
 STOP = model_worker_pb2.FINISH_REASON_STOP
@@ -27,14 +27,15 @@ LENGTH = model_worker_pb2.FINISH_REASON_LENGTH
 
 @pytest.fixture
 async def pipeline():
-    config = Config(model_worker="127.0.0.1:9", detok_workers=["127.0.0.1:9"])
-    channels = [grpc.aio.insecure_channel("127.0.0.1:9") for _ in range(2)]
-    p = Pipeline(config, channels[0], channels[1:])
+    config = Config(model_workers=["127.0.0.1:9"], detok_workers=["127.0.0.1:9"])
+    channels = [grpc.aio.insecure_channel("127.0.0.1:9")]
+    p = Pipeline(config, channels)
     p.model_info = model_worker_pb2.ModelInfo(tokenizer=common_pb2.TokenizerIdentity(path="/t", sha256="00"))
+    p.model = p.model_workers.replicas[0]  # the one replica, which the tests play
     for stream in (p.model.stream, p.detoks[0].stream):
         stream._connected.set()  # as if the bidi calls were open; nothing is sent
     yield p
-    await asyncio.gather(*(c.close() for c in channels))
+    await p.close()
 
 
 def tokens(request_id: str, index: int, ids: list[int], finish: int = 0) -> model_worker_pb2.SequenceTokens:
@@ -63,20 +64,29 @@ async def test_n_outputs_are_one_request_routed_by_index(pipeline: Pipeline) -> 
     detok = pipeline.detoks[0]
     frame = detok._take_frame()
     assert [o.sequence_id for o in frame.opens] == [f"{rid}-1", f"{rid}-0"]
-    assert {t.sequence_id: t.token_ids for t in frame.tokens} == {f"{rid}-1": pack_int32([7]),
-                                                                  f"{rid}-0": pack_int32([5])}
+    # No logprobs: the outputs have handles, their ids go as TokenColumns rows.
+    handles = {o.sequence_id: o.handle for o in frame.opens}
+    assert sorted(handles.values()) == [1, 2] and not frame.tokens
+    rows = dict(zip(unpack_int32(frame.columns.handles).tolist(), unpack_int32(frame.columns.token_ids).tolist(),
+                    strict=True))
+    assert rows == {handles[f"{rid}-1"]: 7, handles[f"{rid}-0"]: 5}
     pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(f"{rid}-1", "b")]))
-    # Output 1 hits a stop string; output 0 goes on, and the request is not aborted yet.
+    # Output 1 hits a stop string: only it is aborted on the model worker; output 0 goes on.
     pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[
         text(f"{rid}-1", "!", finished=True, stop_index=0, num_tokens_to_stop=1)]))
-    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(rid, 1, [8]), tokens(rid, 0, [6], LENGTH)]))
-    assert set(detok._tokens) == {f"{rid}-0"}  # the stopped output's later tokens go nowhere
-    assert not pipeline.model._aborts
+    (abort,) = pipeline.model._take_frame().aborts
+    assert (abort.request_id, list(abort.indexes)) == (rid, [1])
+    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(rid, 1, [8]), tokens(rid, 0, [6])]))
+    assert set(detok._rows) == {handles[f"{rid}-0"]}  # the stopped output's later tokens go nowhere
+    # The worker's answer to that abort ends output 1 there, and fails nothing.
+    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[
+        tokens(rid, 1, [], model_worker_pb2.FINISH_REASON_ABORT), tokens(rid, 0, [7], LENGTH)]))
+    assert pipeline.num_live_requests == 1
     pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(f"{rid}-0", "ac", finished=True)]))
     await asyncio.wait_for(task, 5)
     assert events == [(1, "b", None), (1, "!", "stop"), (0, "ac", "length")]
-    # Output 1 was still running on the model worker when the last choice ended: aborted.
-    assert pipeline.model._aborts == [rid] and pipeline.num_live_requests == 0
+    # Every output ended on the model worker: nothing more to abort.
+    assert not pipeline.model._aborts and pipeline.num_live_requests == 0
 
 
 async def test_a_refusal_fails_the_whole_request(pipeline: Pipeline) -> None:

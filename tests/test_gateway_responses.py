@@ -74,8 +74,9 @@ def test_chat_stream_chunks() -> None:
     assert middle["choices"][0]["delta"] == {"content": "hi"} and middle["choices"][0]["finish_reason"] is None
     last = as_json(responder.chunk(0, event("", [], finish="length")))
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
-    tail = as_json(responder.usage_chunk(usage(3, 2)))
-    assert tail["choices"] == [] and tail["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    tail = as_json(responder.usage_chunk(usage(3, 2, 1)))
+    assert tail["choices"] == [] and tail["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                                       "prompt_tokens_details": {"cached_tokens": 1, "audio_tokens": 0}}
     for chunk in (body, middle, last, tail):
         oai_chat.ChatCompletionChunk.model_validate(chunk)
     assert len({c["id"] for c in (body, middle, last, tail)}) == 1
@@ -169,7 +170,8 @@ async def test_sse_stream_interleaves_choices_and_counts_usage_over_all() -> Non
     assert [(b["choices"][0]["index"], b["choices"][0]["text"]) for b in bodies[:-1]] == [
         (0, "a"), (1, "b"), (0, "c"), (1, "d")]
     assert all(b["usage"] is None for b in bodies[:-1])
-    assert bodies[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert bodies[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                   "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0}}
 
 
 async def test_sse_stream_without_include_usage_has_no_usage_key() -> None:
@@ -185,3 +187,19 @@ def test_echo_streams_the_prompt_once_per_choice() -> None:
     texts = [as_json(responder.chunk(i, event(t, [ord(t)])))["choices"][0]["text"]
              for i, t in [(0, "a"), (1, "b"), (0, "c")]]
     assert texts == ["hia", "hib", "c"]
+
+
+def test_cached_prompt_tokens_count_each_prompt_once() -> None:
+    """Two prompts, n=2: the two choices of a prompt share its prefill and both report its cached
+    tokens, which usage counts once per prompt (16 + 32), not once per choice."""
+    responder = CompletionResponder("m", ByteSpeller(), logprobs=False, prompts=[PROMPT, PROMPT], n=2)
+    outputs = []
+    for num_cached in (16, 16, 32, 32):
+        out = ChoiceOutput()
+        finished = event("a", [97], finish="stop")
+        finished.num_cached_prompt_tokens = num_cached
+        out.add(finished)
+        outputs.append(out)
+    body = responder.response(outputs, num_prompt_tokens=80).model_dump()
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 48, "audio_tokens": 0}
+    assert ChatResponder("m", ByteSpeller(), logprobs=False).num_cached_prompt_tokens([16, 16, 16]) == 16

@@ -14,6 +14,11 @@ import httpx
 import pytest
 import schemathesis
 import schemathesis.specs.openapi.checks as openapi_checks
+
+# Imported now, at collection, while the process has one thread: imported lazily by from_url, its
+# modules are parsed (pytest assertion rewriting) while threads of earlier tests may be parsing too,
+# which CPython 3.11 can fail with "AST constructor recursion depth mismatch".
+import schemathesis.specs.openapi.schemas  # noqa: F401
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 

@@ -66,7 +66,11 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI, model: str) -> No
     assert finishes == [choice.finish_reason]
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
-    assert last.usage.model_dump() == full.usage.model_dump()
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (full.usage.prompt_tokens,
+                                                                        full.usage.completion_tokens)
+    # The same prompt again: its full KV blocks come from the prefix cache, and usage says so.
+    assert full.usage.prompt_tokens_details is not None and last.usage.prompt_tokens_details is not None
+    assert 16 <= last.usage.prompt_tokens_details.cached_tokens < last.usage.prompt_tokens
 
 
 def test_completions_stream_matches_non_stream(client: openai.OpenAI, model: str) -> None:
@@ -259,7 +263,8 @@ def test_metrics_count_requests_and_tokens(stack: Stack, client: openai.OpenAI, 
     assert grew["tokenwire:e2e_request_latency_seconds_count"] == 1
     assert grew["tokenwire:time_to_first_token_seconds_count"] == 1
     assert 'tokenwire:request_success_total{finished_reason="length"}' in after
-    assert "tokenwire:num_requests_running" in after and "tokenwire:num_requests_waiting" in after
+    worker = f'{{worker="{stack.model_worker_address}"}}'
+    assert f"tokenwire:num_requests_running{worker}" in after and f"tokenwire:num_requests_waiting{worker}" in after
 
 
 def test_tokenize_and_detokenize(stack: Stack, model: str) -> None:

@@ -18,6 +18,7 @@ import openai.types.chat as oai_chat
 import openai.types.chat.chat_completion as oai_chat_completion
 import openai.types.chat.chat_completion_chunk as oai_chunk
 import openai.types.completion_choice as oai_completion_choice
+import openai.types.completion_usage as oai_usage
 import pytest
 from pydantic import BaseModel
 
@@ -34,6 +35,8 @@ _MAY_BE_ABSENT: dict[type[BaseModel], set[str]] = {
     # Deltas carry only what changed: role and content on the first, content after, {} at the end.
     oai_chunk.ChoiceDelta: {"audio", "content", "function_call", "refusal", "role", "tool_calls"},
     oai.CompletionUsage: {"completion_tokens_details", "prompt_tokens_details"},
+    # Of the prompt token details only cached_tokens (and audio_tokens, 0) apply to text models.
+    oai_usage.PromptTokensDetails: set(oai_usage.PromptTokensDetails.model_fields) - {"cached_tokens", "audio_tokens"},
     oai.Completion: {"usage"},  # stream chunks without include_usage
 }
 KINDS: dict[str, type[BaseModel]] = {

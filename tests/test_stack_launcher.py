@@ -1,4 +1,5 @@
-"""The one-host launcher leaves a core to the gateway and detok workers."""
+"""The one-host launcher leaves a core to the gateway and detok workers, and splits the rest
+between the model worker replicas."""
 
 from __future__ import annotations
 
@@ -11,3 +12,9 @@ from tokenwire import stack
 def test_worker_threads_leave_one_core(monkeypatch, cores, threads):
     monkeypatch.setattr(stack.os, "cpu_count", lambda: cores)
     assert stack.one_host_worker_threads() == threads
+
+
+@pytest.mark.parametrize("cores, workers, threads", [(2, 2, 1), (16, 2, 7), (16, 3, 5), (4, 8, 1)])
+def test_model_worker_replicas_share_the_remaining_cores(monkeypatch, cores, workers, threads):
+    monkeypatch.setattr(stack.os, "cpu_count", lambda: cores)
+    assert stack.one_host_worker_threads(workers) == threads

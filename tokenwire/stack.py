@@ -110,10 +110,15 @@ def wait_http_ok(service: ServiceProcess, url: str, timeout_s: float) -> None:
 
 @dataclass
 class Stack:
-    model_worker_address: str
+    model_worker_addresses: list[str]
     detok_addresses: list[str]
     gateway_url: str
     services: list[ServiceProcess] = field(default_factory=list)
+
+    @property
+    def model_worker_address(self) -> str:
+        """The first model worker's address: the only one in a stack started with one."""
+        return self.model_worker_addresses[0]
 
     def stop(self) -> None:
         for service in reversed(self.services):
@@ -124,20 +129,23 @@ class Stack:
 def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host: str = "127.0.0.1",
                 gateway_port: int | None = None, gateway_args: Sequence[str] = (),
                 timeout_s: float = 300.0, detok_args: Sequence[str] = (),
-                tls: ClientTLS | None = None) -> Iterator[Stack]:
-    """Model worker, num_detok detok replicas and the gateway, on free loopback ports.
+                tls: ClientTLS | None = None, num_model_workers: int = 1) -> Iterator[Stack]:
+    """num_model_workers model worker replicas (same args), num_detok detok replicas and the
+    gateway, on free loopback ports.
 
     With TLS, the worker args carry the --tls-* flags and gateway_args the --worker-tls-* ones;
     `tls` is what the launcher's own health probes use to reach the workers.
     """
-    mw_addr = f"{host}:{free_port()}"
+    mw_addrs = [f"{host}:{free_port()}" for _ in range(num_model_workers)]
     detok_addrs = [f"{host}:{free_port()}" for _ in range(num_detok)]
     port = gateway_port or free_port()
-    stack = Stack(mw_addr, detok_addrs, f"http://{host}:{port}")
+    stack = Stack(mw_addrs, detok_addrs, f"http://{host}:{port}")
     try:
-        mw = spawn("model_worker", "model_worker", ["--host", host, "--port", mw_addr.rsplit(":", 1)[1],
-                                                    *model_worker_args])
-        stack.services.append(mw)
+        mws = []
+        for addr in mw_addrs:
+            mws.append(spawn("model_worker", "model_worker", ["--host", host, "--port", addr.rsplit(":", 1)[1],
+                                                              *model_worker_args]))
+            stack.services.append(mws[-1])
         detoks = []
         for addr in detok_addrs:
             detoks.append(spawn("detok_worker", "detok_worker", ["--host", host, "--port", addr.rsplit(":", 1)[1],
@@ -145,8 +153,9 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
             stack.services.append(detoks[-1])
         for d, addr in zip(detoks, detok_addrs, strict=True):
             wait_grpc_serving(d, addr, timeout_s, tls)
-        wait_grpc_serving(mw, mw_addr, timeout_s, tls)
-        gw = spawn("gateway", "gateway", ["--host", host, "--port", str(port), "--model-worker", mw_addr,
+        for mw, addr in zip(mws, mw_addrs, strict=True):
+            wait_grpc_serving(mw, addr, timeout_s, tls)
+        gw = spawn("gateway", "gateway", ["--host", host, "--port", str(port), "--model-workers", ",".join(mw_addrs),
                                           "--detok-workers", ",".join(detok_addrs), *gateway_args])
         stack.services.append(gw)
         wait_http_ok(gw, f"{stack.gateway_url}/health", timeout_s)
@@ -155,12 +164,12 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
         stack.stop()
 
 
-def one_host_worker_threads() -> int:
-    """Torch threads for a model worker sharing its host with the gateway and detok workers: one
-    core is left to them. On 2 cores, 2 worker threads made a single stream through the gateway
-    slower than 1 (40.5 vs 56.6 tok/s, bench/README.md): each token wakes the other services,
-    and a preempted OpenMP thread stalls every barrier of the step."""
-    return max(1, (os.cpu_count() or 2) - 1)
+def one_host_worker_threads(num_model_workers: int = 1) -> int:
+    """Torch threads for each model worker sharing its host with the gateway and detok workers: one
+    core is left to them, the rest split between the model workers. On 2 cores, 2 worker threads
+    made a single stream through the gateway slower than 1 (40.5 vs 56.6 tok/s, bench/README.md):
+    each token wakes the other services, and a preempted OpenMP thread stalls every barrier of the step."""
+    return max(1, ((os.cpu_count() or 2) - 1) // num_model_workers)
 
 
 def main() -> int:
@@ -168,12 +177,14 @@ def main() -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     parser.add_argument("--num-detok", type=int, default=1)
+    parser.add_argument("--num-model-workers", type=int, default=1,
+                        help="model worker replicas (same flags); the gateway balances requests over them")
     parser.add_argument("model_worker_args", nargs=argparse.REMAINDER,
                         help="after --, flags for the model worker (e.g. -- --model /path/to/model.gguf)")
     args = parser.parse_args()
     extra = [a for a in args.model_worker_args if a != "--"]
     if not any(a.startswith("--num-threads") for a in extra):
-        extra += ["--num-threads", str(one_host_worker_threads())]
+        extra += ["--num-threads", str(one_host_worker_threads(args.num_model_workers))]
     stopping = False
 
     def on_signal(signum, frame):
@@ -182,9 +193,9 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with start_stack(extra, args.num_detok, args.host, args.port) as stack:
+    with start_stack(extra, args.num_detok, args.host, args.port, num_model_workers=args.num_model_workers) as stack:
         print(f"tokenwire is up: OpenAI API at {stack.gateway_url}/v1 "
-              f"(model worker {stack.model_worker_address}, detok {','.join(stack.detok_addresses)})",
+              f"(model workers {','.join(stack.model_worker_addresses)}, detok {','.join(stack.detok_addresses)})",
               flush=True)
         while not stopping:
             for service in stack.services:
