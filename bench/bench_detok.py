@@ -82,9 +82,21 @@ def run_frame_loop(decoding: TokenizerDecoding, seqs: list[list[int]], tokens_pe
     seconds = time.process_time() - began
     texts = dict.fromkeys(names, "")
     for reply in replies:
-        for delta in reply.deltas:
-            texts[delta.sequence_id] += delta.text
+        add_reply_text(texts, names, reply)
     return seconds, list(texts.values())
+
+
+def add_reply_text(texts: dict[str, str], names: list[str], reply: pb.TextDeltaFrame) -> None:
+    """Appends a reply's text to texts (by sequence name): its TextDeltas, then its TextColumns
+    rows (handle h is names[h - 1], as the column runs open them)."""
+    for delta in reply.deltas:
+        texts[delta.sequence_id] += delta.text
+    columns = reply.columns
+    offset = 0
+    for handle, length in zip(unpack_int32(columns.handles).tolist(),
+                              unpack_int32(columns.text_lengths).tolist(), strict=True):
+        texts[names[handle - 1]] += columns.text[offset:offset + length].decode("utf-8")
+        offset += length
 
 
 def run_column_loop(decoding: TokenizerDecoding, seqs: list[list[int]], tokens_per_frame: int) -> tuple[float, list[str]]:
@@ -111,14 +123,7 @@ def run_column_loop(decoding: TokenizerDecoding, seqs: list[list[int]], tokens_p
     seconds = time.process_time() - began
     texts = dict.fromkeys(names, "")
     for reply in replies:
-        for delta in reply.deltas:
-            texts[delta.sequence_id] += delta.text
-        columns = reply.columns
-        offset = 0
-        for handle, length in zip(unpack_int32(columns.handles).tolist(),
-                                  unpack_int32(columns.text_lengths).tolist(), strict=True):
-            texts[names[handle - 1]] += columns.text[offset:offset + length].decode("utf-8")
-            offset += length
+        add_reply_text(texts, names, reply)
     return seconds, list(texts.values())
 
 

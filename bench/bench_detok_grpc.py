@@ -26,10 +26,10 @@ import grpc
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.bench_detok import STOPS, corpus_ids, sequences_ids  # noqa: E402
+from bench.bench_detok import STOPS, add_reply_text, corpus_ids, sequences_ids  # noqa: E402
 from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
 from tokenwire.grpc_server import CHANNEL_OPTIONS  # noqa: E402
-from tokenwire.packing import pack_int32, unpack_int32  # noqa: E402
+from tokenwire.packing import pack_int32  # noqa: E402
 from tokenwire.stack import ServiceProcess, free_port, spawn, wait_grpc_serving  # noqa: E402
 from tokenwire.tokenizer_files import tokenizer_identity  # noqa: E402
 from tokenwire.v1 import common_pb2, detok_worker_pb2_grpc  # noqa: E402
@@ -86,15 +86,8 @@ async def stream_frames(address: str, opens: pb.DetokenizeFrame, frames: list[pb
         writer = asyncio.create_task(write_all())
         for _ in frames:
             reply = await call.read()
-            for delta in reply.deltas:
-                assert not delta.error, delta.error
-                texts[delta.sequence_id] += delta.text
-            columns = reply.columns
-            offset = 0
-            for handle, length in zip(unpack_int32(columns.handles).tolist(),
-                                      unpack_int32(columns.text_lengths).tolist(), strict=True):
-                texts[names[handle - 1]] += columns.text[offset:offset + length].decode("utf-8")
-                offset += length
+            assert not any(delta.error for delta in reply.deltas), [d.error for d in reply.deltas]
+            add_reply_text(texts, names, reply)
         seconds = time.perf_counter() - began
         await writer
         return seconds, texts

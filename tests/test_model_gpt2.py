@@ -10,7 +10,13 @@ import torch
 
 from model_worker.model_runner import ModelRunner, dummy_weights
 from model_worker.models.gpt2 import GPT2Model, GPT2Shape
-from tests.tiny_hf_models import PROMPTS, engine_greedy, hf_greedy, save_tiny_model
+from tests.tiny_hf_models import (
+    PROMPTS,
+    assert_greedy_matches_transformers,
+    assert_prompt_logprobs_match_transformers,
+    engine_greedy,
+    save_tiny_model,
+)
 
 CPU = torch.device("cpu")
 
@@ -35,30 +41,13 @@ def test_ragged_steps_match_transformers(tmp_path, tiny_model_dir, overrides):
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
     runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=8, max_model_len=128)
     assert isinstance(runner.model, GPT2Model)
-    # A 7-token budget pushes the 37-token prompt through 6 chunks beside the others' decodes.
-    outputs = engine_greedy(runner, PROMPTS, max_tokens=8, step_budget=7)
-    for i, prompt in enumerate(PROMPTS):
-        tokens = [o.token_id for o in outputs[i]]
-        with torch.no_grad():
-            ref = model(torch.tensor([prompt + tokens[:-1]])).logits[0].log_softmax(-1)  # [len - 1, V]
-        for j, out in enumerate(outputs[i]):
-            row = ref[len(prompt) - 1 + j]
-            assert out.token_id == int(row.argmax())
-            assert abs(out.logprob - float(row[out.token_id])) < 1e-4
-        assert tokens == hf_greedy(model, prompt, 8)
+    assert_greedy_matches_transformers(runner, model)
 
 
 def test_prompt_logprobs_match_transformers(tmp_path, tiny_model_dir):
     model, model_dir = tiny_gpt2(tmp_path, tiny_model_dir)
     runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=8, max_model_len=128)
-    prompt = PROMPTS[0]
-    out = engine_greedy(runner, [prompt], max_tokens=1, step_budget=10, prompt_logprobs=0)[0][0]
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)  # [n, V]
-    expected = [float(ref[p - 1, prompt[p]]) for p in range(1, len(prompt))]
-    got = out.prompt_logprobs.logprobs[1:]
-    assert len(got) == len(expected)
-    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
+    assert_prompt_logprobs_match_transformers(runner, model)
 
 
 def test_dummy_weights_load_and_run(tmp_path, tiny_model_dir):

@@ -13,7 +13,13 @@ from model_worker.engine import LLMEngine
 from model_worker.model_runner import ModelRunner
 from model_worker.models.hf_fallback import HFCausalLM
 from model_worker.sequence import SamplingParams, Sequence
-from tests.tiny_hf_models import PROMPTS, engine_greedy, hf_greedy, save_tiny_model
+from tests.tiny_hf_models import (
+    PROMPTS,
+    assert_greedy_matches_transformers,
+    assert_prompt_logprobs_match_transformers,
+    hf_greedy,
+    save_tiny_model,
+)
 
 CPU = torch.device("cpu")
 
@@ -59,14 +65,7 @@ def test_ragged_steps_match_transformers(tmp_path, tiny_model_dir, architecture)
     assert isinstance(runner.model, HFCausalLM)
     assert not runner.supports_prefix_caching
     # A 7-token budget pushes the 37-token prompt through 6 chunks beside the others' decodes.
-    outputs = engine_greedy(runner, PROMPTS, max_tokens=8, step_budget=7)
-    for i, prompt in enumerate(PROMPTS):
-        tokens = [o.token_id for o in outputs[i]]
-        assert tokens == hf_greedy(model, prompt, 8)
-        with torch.no_grad():
-            ref = model(torch.tensor([prompt + tokens[:-1]])).logits[0].log_softmax(-1)  # [len - 1, V]
-        for j, out in enumerate(outputs[i]):
-            assert abs(out.logprob - float(ref[len(prompt) - 1 + j, out.token_id])) < 1e-4
+    assert_greedy_matches_transformers(runner, model)
 
 
 def test_forks_and_preemption_give_transformers_tokens(neox):
@@ -118,14 +117,7 @@ def test_fork_copies_the_parent_cache_instead_of_recomputing(neox):
 def test_prompt_logprobs_match_transformers(neox):
     model, model_dir = neox
     runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=8, max_model_len=128)
-    prompt = PROMPTS[0]
-    out = engine_greedy(runner, [prompt], max_tokens=1, step_budget=10, prompt_logprobs=0)[0][0]
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)  # [n, V]
-    expected = [float(ref[p - 1, prompt[p]]) for p in range(1, len(prompt))]
-    got = out.prompt_logprobs.logprobs[1:]
-    assert len(got) == len(expected)
-    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
+    assert_prompt_logprobs_match_transformers(runner, model)
 
 
 def test_architecture_transformers_cannot_build_is_refused(tmp_path):

@@ -8,7 +8,12 @@ import torch
 
 from model_worker.model_runner import ModelRunner
 from model_worker.models.llama import LlamaModel, LlamaShape
-from tests.tiny_hf_models import PROMPTS, engine_greedy, hf_greedy, save_tiny_model
+from tests.tiny_hf_models import (
+    PROMPTS,
+    assert_greedy_matches_transformers,
+    engine_greedy,
+    save_tiny_model,
+)
 
 CPU = torch.device("cpu")
 
@@ -32,14 +37,7 @@ def test_ragged_steps_match_transformers(qwen3):
     model, model_dir = qwen3
     runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=8, max_model_len=128)
     assert isinstance(runner.model, LlamaModel) and runner.shape.qk_norm
-    outputs = engine_greedy(runner, PROMPTS, max_tokens=8, step_budget=7)
-    for i, prompt in enumerate(PROMPTS):
-        tokens = [o.token_id for o in outputs[i]]
-        assert tokens == hf_greedy(model, prompt, 8)
-        with torch.no_grad():
-            ref = model(torch.tensor([prompt + tokens[:-1]])).logits[0].log_softmax(-1)  # [len - 1, V]
-        for j, out in enumerate(outputs[i]):
-            assert abs(out.logprob - float(ref[len(prompt) - 1 + j, out.token_id])) < 1e-4
+    assert_greedy_matches_transformers(runner, model)
 
 
 def test_dummy_weights_run(qwen3):

@@ -45,3 +45,31 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def assert_greedy_matches_transformers(runner: ModelRunner, model) -> None:
+    """Every prompt of PROMPTS through the engine in ragged steps (a 7-token budget pushes the
+    37-token prompt through 6 chunks beside the others' decodes): the same greedy tokens as
+    transformers' generate, and each token's logprob within 1e-4 of transformers' own."""
+    outputs = engine_greedy(runner, PROMPTS, max_tokens=8, step_budget=7)
+    for i, prompt in enumerate(PROMPTS):
+        tokens = [o.token_id for o in outputs[i]]
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt + tokens[:-1]])).logits[0].log_softmax(-1)  # [len - 1, V]
+        for j, out in enumerate(outputs[i]):
+            row = ref[len(prompt) - 1 + j]
+            assert out.token_id == int(row.argmax())
+            assert abs(out.logprob - float(row[out.token_id])) < 1e-4
+        assert tokens == hf_greedy(model, prompt, 8)
+
+
+def assert_prompt_logprobs_match_transformers(runner: ModelRunner, model) -> None:
+    """The first prompt's prompt logprobs within 1e-4 of transformers' log-softmax."""
+    prompt = PROMPTS[0]
+    out = engine_greedy(runner, [prompt], max_tokens=1, step_budget=10, prompt_logprobs=0)[0][0]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)  # [n, V]
+    expected = [float(ref[p - 1, prompt[p]]) for p in range(1, len(prompt))]
+    got = out.prompt_logprobs.logprobs[1:]
+    assert len(got) == len(expected)
+    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
