@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
-from gateway.frame_stream import FrameStream
+from gateway.frame_stream import FrameStream, ResetStream
 from gateway.worker_health import WatchedFrameStream, WorkerHealth
 from tokenwire.packing import pack_int32
 from tokenwire.v1 import detok_worker_pb2, detok_worker_pb2_grpc
@@ -161,11 +161,13 @@ class DetokClient:
             self._column_frames.popleft()
             if not frame.HasField("columns"):
                 # This worker dropped the columns unread: the handled sequences would never get
-                # text. Fail them (with everything on this replica) and send messages from now on.
+                # text, and frames already in flight carry more rows it will drop. End the stream
+                # once (its requests fail, every handle is forgotten, the worker frees what it
+                # opened) and send per-sequence entries on the next one.
                 self.columns_supported = False
                 logger.error("detok worker %s does not read TokenColumns (older version); "
-                             "sending per-sequence entries from now on", self.address)
-                self._on_lost(self.index, RuntimeError(f"detok worker {self.address} does not read TokenColumns"))
+                             "reopening the stream with per-sequence entries", self.address)
+                raise ResetStream(f"detok worker {self.address} does not read TokenColumns")
         try:
             self._on_frame(self.index, frame)
         finally:

@@ -20,6 +20,11 @@ OutFrame = TypeVar("OutFrame")
 InFrame = TypeVar("InFrame")
 
 
+class ResetStream(Exception):
+    """Raised by an on_frame callback to end the stream as if it were lost: on_lost runs (its
+    owner forgets the stream's state and fails its requests) and a new stream is opened."""
+
+
 class FrameStream(Generic[OutFrame, InFrame]):
     """One bidi call at a time on `channel`, reopened after a failure until close()."""
 
@@ -132,6 +137,8 @@ class FrameStream(Generic[OutFrame, InFrame]):
                 return
             try:
                 self._on_frame(frame)
+            except ResetStream:
+                raise
             except Exception:
                 # A bug in one frame's dispatch must not end every other request of the stream.
                 logger.exception("%s: dispatching a frame failed", self.name)

@@ -100,6 +100,11 @@ class ModelWorkerClient:
         UNAVAILABLE, UNIMPLEMENTED on a worker without it) rather than waiting on a dead worker."""
         return await self._stub.GetLoad(model_worker_pb2.GetLoadRequest(), timeout=timeout_s)
 
+    @property
+    def has_queued(self) -> bool:
+        """Adds or aborts wait for the sender."""
+        return bool(self._adds or self._aborts)
+
     def add(self, add: model_worker_pb2.AddRequest) -> None:
         self._adds[add.request_id] = add
         self.stream.wake()

@@ -207,7 +207,8 @@ class ModelWorkerPool:
             await asyncio.sleep(self._config.model_worker_dns_refresh_s)
             try:
                 await self._resolve_all()
-                for replica in [r for r in self._retired if r.num_sequences == 0]:
+                # Once its requests ended and their aborts went out (a close drops what is queued).
+                for replica in [r for r in self._retired if r.num_sequences == 0 and not r.has_queued]:
                     await self._close(replica)
             except Exception:
                 # One bad round must not end the refreshes: the next may succeed.

@@ -405,6 +405,7 @@ async def test_detok_client_falls_back_when_the_worker_ignores_columns() -> None
     import grpc
 
     from gateway.detok_client import DetokClient
+    from gateway.frame_stream import ResetStream
 
     lost: list[Exception] = []
     client = DetokClient(0, "127.0.0.1:9", grpc.aio.insecure_channel("127.0.0.1:9"),
@@ -413,8 +414,15 @@ async def test_detok_client_falls_back_when_the_worker_ignores_columns() -> None
     client.assign_handle(open_)
     client.send([open_], (), [("a", pack_int32([5]), False)])
     assert client._take_frame().HasField("columns")
-    client._reply(pb.TextDeltaFrame())  # an older worker: no TextColumns in the reply
-    assert lost and "does not read TokenColumns" in str(lost[0])
+    # A second frame of columns is in flight, and a third row waits, when the first reply comes.
+    client.send((), (), [("a", pack_int32([6]), False)])
+    assert client._take_frame().HasField("columns")
+    client.send((), (), [("a", pack_int32([7]), False)])
+    with pytest.raises(ResetStream, match="does not read TokenColumns"):
+        client._reply(pb.TextDeltaFrame())  # an older worker: no TextColumns in the reply
+    # The stream ends once: FrameStream runs the loss path, which forgets every row and handle.
+    client._lost(ConnectionError("reset"))
+    assert len(lost) == 1 and client._take_frame() is None
     later = pb.OpenSequence(sequence_id="b")
     client.assign_handle(later)
     assert later.handle == 0 and not client.has_handle("b")
