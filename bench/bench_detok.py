@@ -60,32 +60,6 @@ def sequences_ids(ids: list[int], num_sequences: int, num_tokens: int) -> list[l
     return [ids[i * stride:i * stride + num_tokens] for i in range(num_sequences)]
 
 
-def run_frame_loop(decoding: TokenizerDecoding, seqs: list[list[int]], tokens_per_frame: int) -> tuple[float, list[str]]:
-    """Frames as the model worker's decode steps send them: every sequence, a few ids each."""
-    stream = DetokenizeStream(open_decoding=lambda _identity: decoding)
-    names = [f"seq-{i}" for i in range(len(seqs))]
-    identity = common_pb2.TokenizerIdentity(path="bench")
-    stream.apply(pb.DetokenizeFrame(opens=[
-        pb.OpenSequence(sequence_id=name, tokenizer=identity, skip_special_tokens=True, stop=STOPS)
-        for name in names
-    ]))
-    num_tokens = len(seqs[0])
-    frames = []
-    for start in range(0, num_tokens, tokens_per_frame):
-        end = min(start + tokens_per_frame, num_tokens)
-        frames.append(pb.DetokenizeFrame(tokens=[
-            pb.SequenceTokenIds(sequence_id=name, token_ids=pack_int32(ids[start:end]), finished=end == num_tokens)
-            for name, ids in zip(names, seqs, strict=True)
-        ]))
-    began = time.process_time()
-    replies = [stream.apply(frame) for frame in frames]
-    seconds = time.process_time() - began
-    texts = dict.fromkeys(names, "")
-    for reply in replies:
-        add_reply_text(texts, names, reply)
-    return seconds, list(texts.values())
-
-
 def add_reply_text(texts: dict[str, str], names: list[str], reply: pb.TextDeltaFrame) -> None:
     """Appends a reply's text to texts (by sequence name): its TextDeltas, then its TextColumns
     rows (handle h is names[h - 1], as the column runs open them)."""
@@ -99,11 +73,14 @@ def add_reply_text(texts: dict[str, str], names: list[str], reply: pb.TextDeltaF
         offset += length
 
 
-def run_column_loop(decoding: TokenizerDecoding, seqs: list[list[int]], tokens_per_frame: int) -> tuple[float, list[str]]:
-    """The same frames in the column form (TokenColumns / TextColumns, OpenSequence.handle)."""
+def run_frame_loop(decoding: TokenizerDecoding, seqs: list[list[int]], tokens_per_frame: int,
+                   columns: bool = False) -> tuple[float, list[str]]:
+    """Frames as the model worker's decode steps send them: every sequence, a few ids each; as
+    per-sequence SequenceTokenIds, or with columns in the column form (TokenColumns /
+    TextColumns, OpenSequence.handle i + 1 for sequence i)."""
     stream = DetokenizeStream(open_decoding=lambda _identity: decoding)
     names = [f"seq-{i}" for i in range(len(seqs))]
-    handles = list(range(1, len(seqs) + 1))
+    handles = list(range(1, len(seqs) + 1)) if columns else [0] * len(seqs)
     identity = common_pb2.TokenizerIdentity(path="bench")
     stream.apply(pb.DetokenizeFrame(opens=[
         pb.OpenSequence(sequence_id=name, tokenizer=identity, skip_special_tokens=True, stop=STOPS, handle=handle)
@@ -114,10 +91,16 @@ def run_column_loop(decoding: TokenizerDecoding, seqs: list[list[int]], tokens_p
     frames = []
     for start in range(0, num_tokens, tokens_per_frame):
         end = min(start + tokens_per_frame, num_tokens)
-        frames.append(pb.DetokenizeFrame(columns=pb.TokenColumns(
-            handles=packed_handles, num_tokens=pack_int32([end - start] * len(seqs)),
-            token_ids=pack_int32([i for ids in seqs for i in ids[start:end]]),
-            finished_handles=packed_handles if end == num_tokens else b"")))
+        if columns:
+            frames.append(pb.DetokenizeFrame(columns=pb.TokenColumns(
+                handles=packed_handles, num_tokens=pack_int32([end - start] * len(seqs)),
+                token_ids=pack_int32([i for ids in seqs for i in ids[start:end]]),
+                finished_handles=packed_handles if end == num_tokens else b"")))
+        else:
+            frames.append(pb.DetokenizeFrame(tokens=[
+                pb.SequenceTokenIds(sequence_id=name, token_ids=pack_int32(ids[start:end]), finished=end == num_tokens)
+                for name, ids in zip(names, seqs, strict=True)
+            ]))
     began = time.process_time()
     replies = [stream.apply(frame) for frame in frames]
     seconds = time.process_time() - began
@@ -153,13 +136,18 @@ def run_naive(tokenizer: Tokenizer, seqs: list[list[int]]) -> tuple[float, list[
     return time.process_time() - began, texts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The flags both detok benches take: tokenizer, and how many sequences, tokens and frames."""
     parser.add_argument("--model", default=DEFAULT_MODEL, help="'default' (SmolLM2) or a model directory")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "tokenwire")
     parser.add_argument("--sequences", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=128, help="generated tokens per sequence")
     parser.add_argument("--tokens-per-frame", default="1,4,16", help="comma-separated: tokens per sequence per frame")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(parser)
     parser.add_argument("--naive-sequences", type=int, default=16, help="sample size for the O(n^2) naive way")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -182,7 +170,7 @@ def main() -> None:
             methods[f"frame loop, {k} tok/seq/frame, {label}"] = (
                 args.sequences * args.tokens, lambda d=dec, k=k: run_frame_loop(d, seqs, k))
         methods[f"column path, {k} tok/seq/frame, tiktoken"] = (
-            args.sequences * args.tokens, lambda k=k: run_column_loop(decoding, seqs, k))
+            args.sequences * args.tokens, lambda k=k: run_frame_loop(decoding, seqs, k, columns=True))
     methods["DecodeStream.step per token (+ stops)"] = (args.sequences * args.tokens,
                                                         lambda: run_decode_stream(tokenizer, seqs))
     methods[f"naive full re-decode per token ({len(sample)} seqs)"] = (len(sample) * args.tokens,

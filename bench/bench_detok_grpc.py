@@ -26,8 +26,8 @@ import grpc
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.bench_detok import STOPS, add_reply_text, corpus_ids, sequences_ids  # noqa: E402
-from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
+from bench.bench_detok import STOPS, add_reply_text, add_workload_args, corpus_ids, sequences_ids  # noqa: E402
+from model_worker.model_files import resolve_model_dir  # noqa: E402
 from tokenwire.grpc_server import CHANNEL_OPTIONS  # noqa: E402
 from tokenwire.packing import pack_int32  # noqa: E402
 from tokenwire.stack import ServiceProcess, free_port, spawn, wait_grpc_serving  # noqa: E402
@@ -95,11 +95,7 @@ async def stream_frames(address: str, opens: pb.DetokenizeFrame, frames: list[pb
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="'default' (SmolLM2) or a model directory")
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "tokenwire")
-    parser.add_argument("--sequences", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=128, help="generated tokens per sequence")
-    parser.add_argument("--tokens-per-frame", default="1,4,16", help="comma-separated: tokens per sequence per frame")
+    add_workload_args(parser)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 

@@ -18,7 +18,6 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: python bench/side_by_side.py
@@ -28,7 +27,7 @@ from bench.comparison import SYSTEMS, best_of, comparison_table, target_checks  
 from bench.report import environment, plot_reports, read_report, write_report  # noqa: E402
 from bench.workload import Workload, add_workload_args, workload_from_args  # noqa: E402
 from model_worker.model_files import DEFAULT_MODEL, default_gguf_path, resolve_model_dir  # noqa: E402
-from tokenwire.stack import free_port, start_stack  # noqa: E402
+from tokenwire.stack import ServiceProcess, free_port, start_stack, wait_http_ok  # noqa: E402
 
 
 def workload_flags(workload: Workload) -> list[str]:
@@ -88,21 +87,6 @@ class Runner:
         return out
 
 
-def wait_for_http(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f}s")
-
-
 def llama_cpp_problem(python: str) -> str | None:
     """Why llama-cpp-python's server cannot run with this interpreter, or None if it can."""
     if not python or not Path(python).exists():
@@ -128,7 +112,7 @@ def run_llama_cpp(runner: Runner, args: argparse.Namespace, workload: Workload, 
     print(f"\n$ {shlex.join(argv)}", flush=True)
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for_http(f"http://127.0.0.1:{port}/v1/models", server, 300)
+        wait_http_ok(ServiceProcess("llama_cpp_server", argv, server), f"http://127.0.0.1:{port}/v1/models", 300)
         # llama-cpp-python has no ignore_eos; its own min_tokens (= max_tokens) masks EOS until the
         # end, the same thing under greedy decoding. It runs the GGUF as is (Q4_1 weights).
         extra = {"min_tokens": workload.output_tokens}

@@ -316,13 +316,6 @@ Responder = ChatResponder | CompletionResponder
 ChoiceEvents = AsyncGenerator[tuple[int, GenerationEvent], None]
 
 
-def _with_running_usage(chunk: BaseModel, on: bool, num_prompt_tokens: int, num_output_tokens: list[int],
-                        num_cached: int) -> BaseModel:
-    if on:
-        chunk.usage = usage(num_prompt_tokens, sum(num_output_tokens), num_cached)
-    return chunk
-
-
 async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, responder: Responder,
                      num_choices: int, num_prompt_tokens: int) -> AsyncIterator[str]:
     """The SSE body after the first event: every chunk (choices interleaved as their events come),
@@ -331,24 +324,27 @@ async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, r
     num_cached = [0] * num_choices
     with_usage = responder.include_usage
     continuous_usage = with_usage and responder.continuous_usage
+
+    def totals() -> Usage:
+        return usage(num_prompt_tokens, sum(num_output_tokens), responder.num_cached_prompt_tokens(num_cached))
+
+    async def event_chunk(index: int, event: GenerationEvent) -> str:
+        num_output_tokens[index] = event.num_output_tokens
+        num_cached[index] = event.num_cached_prompt_tokens
+        await responder.prepare(index, event)
+        chunk = responder.chunk(index, event)
+        if continuous_usage:
+            chunk.usage = totals()
+        return sse_event(chunk, with_usage)
+
     try:
         for chunk in responder.first_chunks(num_choices):
             yield sse_event(chunk, with_usage)
-        index, event = first
-        while True:
-            num_output_tokens[index] = event.num_output_tokens
-            num_cached[index] = event.num_cached_prompt_tokens
-            await responder.prepare(index, event)
-            yield sse_event(_with_running_usage(responder.chunk(index, event), continuous_usage, num_prompt_tokens,
-                                                num_output_tokens, responder.num_cached_prompt_tokens(num_cached)),
-                            with_usage)
-            next_event = await anext(events, None)
-            if next_event is None:
-                break
-            index, event = next_event
+        yield await event_chunk(*first)
+        async for index, event in events:
+            yield await event_chunk(index, event)
         if with_usage:
-            yield sse_event(responder.usage_chunk(usage(num_prompt_tokens, sum(num_output_tokens),
-                                                        responder.num_cached_prompt_tokens(num_cached))))
+            yield sse_event(responder.usage_chunk(totals()))
     except APIError as exc:
         # Headers are gone: the failure becomes the stream's last event, never a silent cut.
         yield error_sse_event(exc)

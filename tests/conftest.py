@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -72,6 +74,24 @@ def tiny_stack(tiny_model_dir: Path, max_model_len: int, **kwargs):
 
     return start_stack(["--model", str(tiny_model_dir), "--load-format", "dummy", "--max-num-seqs", "8",
                         "--max-model-len", str(max_model_len), "--device", "cpu"], timeout_s=180, **kwargs)
+
+
+@contextmanager
+def tiny_model_worker(tiny_model_dir: Path, *flags: str) -> Iterator[str]:
+    """A model worker process on the tiny random model (one torch thread, these extra flags),
+    serving on a free loopback port; yields its address."""
+    from tokenwire.stack import free_port, spawn, wait_grpc_serving
+
+    port = free_port()
+    proc = spawn("model_worker", "model_worker", [
+        "--port", str(port), "--model", str(tiny_model_dir), "--load-format", "dummy", "--num-threads", "1",
+        *flags])
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_grpc_serving(proc, address, 120)
+        yield address
+    finally:
+        proc.stop()
 
 
 def openai_client(gateway_url: str):

@@ -53,22 +53,33 @@ def _trained_bpe(pre_tokenizer: pre_tokenizers.PreTokenizer | None,
     return model["vocab"], [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
 
 
+def _byte_fallback_tokenizer(learned: dict[str, int], merges: list[tuple[str, str]], normalizer=None,
+                             pre_tokenizer=None, fuse_unk: bool = False) -> Tokenizer:
+    """Specials, the 256 <0xNN> pieces, then the learned ones; SentencePiece's byte-fallback
+    decoder chain (Replace('▁', ' ') + ByteFallback + Fuse + Strip one leading space)."""
+    vocab = {token: i for i, token in enumerate([*SPECIALS, *BYTE_PIECES])}
+    for token in sorted(learned, key=learned.__getitem__):
+        vocab.setdefault(token, len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True,
+                                     fuse_unk=fuse_unk))
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    if pre_tokenizer is not None:
+        tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
+    ])
+    tokenizer.add_special_tokens(SPECIALS)
+    return tokenizer
+
+
 def llama2_style(vocab_size: int = 300) -> Tokenizer:
     """Llama-2 / Mistral v0.1 layout: specials, then the 256 <0xNN> pieces in the model vocab,
     then learned pieces; normalizer prepends '▁' and turns spaces into '▁'; decoder
     Replace('▁', ' ') + ByteFallback + Fuse + Strip one leading space."""
     normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     learned, merges = _trained_bpe(None, normalizer, vocab_size)
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *BYTE_PIECES])}
-    for token in sorted(learned, key=learned.__getitem__):
-        vocab.setdefault(token, len(vocab))
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tokenizer.normalizer = normalizer
-    tokenizer.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
-    ])
-    tokenizer.add_special_tokens(SPECIALS)
-    return tokenizer
+    return _byte_fallback_tokenizer(learned, merges, normalizer=normalizer, fuse_unk=True)
 
 
 def metaspace_byte_fallback(vocab_size: int = 300) -> Tokenizer:
@@ -76,16 +87,7 @@ def metaspace_byte_fallback(vocab_size: int = 300) -> Tokenizer:
     pre-tokenizer (prepend '▁' to the first word only), the same byte fallback decoder chain."""
     pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     learned, merges = _trained_bpe(pre_tokenizer, None, vocab_size)
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *BYTE_PIECES])}
-    for token in sorted(learned, key=learned.__getitem__):
-        vocab.setdefault(token, len(vocab))
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
-    tokenizer.pre_tokenizer = pre_tokenizer
-    tokenizer.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
-    ])
-    tokenizer.add_special_tokens(SPECIALS)
-    return tokenizer
+    return _byte_fallback_tokenizer(learned, merges, pre_tokenizer=pre_tokenizer)
 
 
 def metaspace_plain(vocab_size: int = 200) -> Tokenizer:

@@ -184,6 +184,23 @@ def test_sequences_ending_inside_a_character(family: Family) -> None:
         assert cut_inside > 0, "some cut falls inside a character"
 
 
+def assert_stopped_like_reference(family: Family, ids: list[int], full: str, chunks: list[int], stops: list[str],
+                                  include: bool) -> tuple[int, int] | None:
+    """Streams ids with these stops and checks the text, the stop index and the token count
+    against reference_stop; returns (stop index, num_tokens_to_stop), or None if no stop hit."""
+    deltas = run_stream(family, {"s": ids}, chunks, True, stops, include)["s"]
+    emitted = "".join(d.text for d in deltas)
+    index, start, end = reference_stop(full, stops)
+    assert emitted == full[:end if include else start]
+    final = deltas[-1]
+    assert final.finished and final.stop_index == index
+    if index < 0:
+        assert sum(d.num_tokens for d in deltas) == len(ids)
+        return None
+    assert sum(d.num_tokens for d in deltas) == final.num_tokens_to_stop
+    return index, final.num_tokens_to_stop
+
+
 def test_stops_across_token_boundaries(family: Family) -> None:
     """Stops taken from the text itself, so they span tokens; the earliest wins, nothing after
     it is sent, held text is flushed when it turns out not to be a stop."""
@@ -194,19 +211,11 @@ def test_stops_across_token_boundaries(family: Family) -> None:
     for stops in cases:
         for include in (False, True):
             for chunks in ([1], [2, 3]):
-                deltas = run_stream(family, {"s": ids}, chunks, True, stops, include)["s"]
-                emitted = "".join(d.text for d in deltas)
-                index, start, end = reference_stop(full, stops)
-                assert emitted == full[:end if include else start]
-                final = deltas[-1]
-                assert final.finished and final.stop_index == index
-                if index < 0:
-                    assert sum(d.num_tokens for d in deltas) == len(ids)
-                    continue
-                n = final.num_tokens_to_stop
-                assert sum(d.num_tokens for d in deltas) == n
-                assert stops[index] in family.decode(ids[:n], True)
-                assert stops[index] not in family.decode(ids[:n - 1], True)
+                stopped = assert_stopped_like_reference(family, ids, full, chunks, stops, include)
+                if stopped is not None:
+                    index, n = stopped
+                    assert stops[index] in family.decode(ids[:n], True)
+                    assert stops[index] not in family.decode(ids[:n - 1], True)
 
 
 def test_first_output_after_a_prompt_keeps_its_space(family: Family) -> None:
@@ -256,17 +265,10 @@ def test_random_stops_through_the_frame_loop(family: Family) -> None:
         text, stops = case
         ids = family.encode(text)
         full = family.decode(ids, True)
-        deltas = run_stream(family, {"s": ids}, chunks, True, stops, include)["s"]
-        emitted = "".join(d.text for d in deltas)
-        index, start, end = reference_stop(full, stops)
-        assert emitted == full[:end if include else start]
-        final = deltas[-1]
-        assert final.finished and final.stop_index == index
-        if index < 0:
-            assert sum(d.num_tokens for d in deltas) == len(ids)
+        stopped = assert_stopped_like_reference(family, ids, full, chunks, stops, include)
+        if stopped is None:
             return
-        n = final.num_tokens_to_stop
-        assert sum(d.num_tokens for d in deltas) == n
+        n = stopped[1]
         # The id that completes the earliest stop: the first prefix whose text holds a stop.
         first = next(k for k in range(1, len(ids) + 1)
                      if reference_stop(family.decode(ids[:k], True).rstrip("\ufffd"), stops)[0] >= 0)

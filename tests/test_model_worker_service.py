@@ -10,9 +10,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from tests.conftest import tiny_model_worker
 from tokenwire.grpc_server import CHANNEL_OPTIONS
 from tokenwire.packing import unpack_float32, unpack_int32_list
-from tokenwire.stack import free_port, spawn, wait_grpc_serving
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc
 
@@ -21,17 +21,9 @@ MAX_MODEL_LEN = 256
 
 @pytest.fixture(scope="module")
 def worker_address(tiny_model_dir):
-    port = free_port()
-    proc = spawn("model_worker", "model_worker", [
-        "--port", str(port), "--model", str(tiny_model_dir), "--load-format", "dummy",
-        "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "64",
-        "--num-threads", "1"])
-    address = f"127.0.0.1:{port}"
-    try:
-        wait_grpc_serving(proc, address, 120)
+    with tiny_model_worker(tiny_model_dir, "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN),
+                           "--max-num-batched-tokens", "64") as address:
         yield address
-    finally:
-        proc.stop()
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from tests.conftest import tiny_model_worker
 from tests.test_model_worker_service import add, run_stream
 from tokenwire.grpc_server import CHANNEL_OPTIONS
-from tokenwire.stack import free_port, spawn, wait_grpc_serving
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc
 
@@ -18,19 +18,11 @@ BLOCK = 8
 
 @pytest.fixture(scope="module")
 def stub(tiny_model_dir):
-    port = free_port()
-    proc = spawn("model_worker", "model_worker", [
-        "--port", str(port), "--model", str(tiny_model_dir), "--load-format", "dummy", "--dtype", "float32",
-        "--max-num-seqs", "8", "--max-model-len", "128", "--max-num-batched-tokens", "64",
-        "--kv-cache-tokens", str(KV_TOKENS), "--block-size", str(BLOCK), "--max-best-of", "4",
-        "--num-threads", "1"])
-    address = f"127.0.0.1:{port}"
-    try:
-        wait_grpc_serving(proc, address, 120)
-        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-            yield model_worker_pb2_grpc.ModelWorkerStub(channel)
-    finally:
-        proc.stop()
+    with tiny_model_worker(tiny_model_dir, "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "128",
+                           "--max-num-batched-tokens", "64", "--kv-cache-tokens", str(KV_TOKENS),
+                           "--block-size", str(BLOCK), "--max-best-of", "4") as address, \
+            grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        yield model_worker_pb2_grpc.ModelWorkerStub(channel)
 
 
 def by_index(stub, frames: list[pb.RequestFrame], request_id: str) -> dict[int, dict]:

@@ -15,10 +15,11 @@ import jsonschema
 import openai
 import pytest
 
+from tests.conftest import tiny_model_worker
 from tests.test_structured_output_engine import SCHEMA
 from tokenwire.grpc_server import CHANNEL_OPTIONS
 from tokenwire.packing import unpack_int32_list
-from tokenwire.stack import Stack, free_port, spawn, start_stack, wait_grpc_serving
+from tokenwire.stack import Stack, start_stack
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc
 
@@ -31,17 +32,9 @@ CHOICES = ["alpha", "beta", "gamma delta"]
 
 @pytest.fixture(scope="module")
 def stub(tiny_model_dir) -> Iterator[model_worker_pb2_grpc.ModelWorkerStub]:
-    port = free_port()
-    proc = spawn("model_worker", "model_worker", [
-        "--port", str(port), "--model", str(tiny_model_dir), "--load-format", "dummy", "--max-num-seqs", "8",
-        "--max-model-len", "256", "--num-threads", "1"])
-    address = f"127.0.0.1:{port}"
-    try:
-        wait_grpc_serving(proc, address, 120)
-        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-            yield model_worker_pb2_grpc.ModelWorkerStub(channel)
-    finally:
-        proc.stop()
+    with tiny_model_worker(tiny_model_dir, "--max-num-seqs", "8", "--max-model-len", "256") as address, \
+            grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        yield model_worker_pb2_grpc.ModelWorkerStub(channel)
 
 
 def add(request_id: str, structured_output: pb.StructuredOutput | None, n: int = 1) -> pb.AddRequest:
