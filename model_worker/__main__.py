@@ -15,6 +15,7 @@ import torch
 from model_worker.config import Config
 from model_worker.engine import LLMEngine, default_eos_ids
 from model_worker.engine_loop import EngineLoop
+from model_worker.host_memory import keep_freed_memory_in_heap
 from model_worker.model_files import model_id_for, resolve_model_dir
 from model_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from model_worker.servicer import ModelWorkerServicer
@@ -62,6 +63,8 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
     the engine-alone benchmark both build it here, so they cannot drift apart."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    if config.keep_freed_host_memory:
+        keep_freed_memory_in_heap()
     model_dir = resolve_model_dir(config.model, Path(config.cache_dir))
     hf_config = _read_json(model_dir / "config.json")
     device = resolve_device(config.device)

@@ -47,6 +47,9 @@ class Config(WorkerServerOptions):
     max_waiting_requests: int = field(default=1024, metadata={
         "help": "queued requests beyond which adds are refused with RESOURCE_EXHAUSTED"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0: torch's default"})
+    keep_freed_host_memory: bool = field(default=True, metadata={
+        "help": "glibc malloc keeps freed scratch memory for the next step instead of unmapping it "
+                "(see model_worker/host_memory.py; off: glibc's defaults)"})
     int8_small_batch: bool = field(default=False, metadata={
         "help": "CPU + bfloat16: also keep weight-only int8 weights and use them for steps of <= 4 tokens "
                 "(2-3x faster single-stream decode, +50%% weight memory, int8 rounding on those steps)"})
