@@ -74,11 +74,13 @@ def add_reply_text(texts: dict[str, str], names: list[str], reply: pb.TextDeltaF
 
 
 def run_frame_loop(decoding: TokenizerDecoding, seqs: list[list[int]], tokens_per_frame: int,
-                   columns: bool = False) -> tuple[float, list[str]]:
+                   columns: bool = False, one_id_loop: bool = True) -> tuple[float, list[str]]:
     """Frames as the model worker's decode steps send them: every sequence, a few ids each; as
     per-sequence SequenceTokenIds, or with columns in the column form (TokenColumns /
-    TextColumns, OpenSequence.handle i + 1 for sequence i)."""
+    TextColumns, OpenSequence.handle i + 1 for sequence i). one_id_loop=False decodes rows of
+    one id with the numpy pass too (HandleTable.one_id_loop), for the side-by-side ratio."""
     stream = DetokenizeStream(open_decoding=lambda _identity: decoding)
+    stream._columns.one_id_loop = one_id_loop
     names = [f"seq-{i}" for i in range(len(seqs))]
     handles = list(range(1, len(seqs) + 1)) if columns else [0] * len(seqs)
     identity = common_pb2.TokenizerIdentity(path="bench")
@@ -171,6 +173,9 @@ def main() -> None:
                 args.sequences * args.tokens, lambda d=dec, k=k: run_frame_loop(d, seqs, k))
         methods[f"column path, {k} tok/seq/frame, tiktoken"] = (
             args.sequences * args.tokens, lambda k=k: run_frame_loop(decoding, seqs, k, columns=True))
+        if k == 1:  # the only frames the one-id loop takes
+            methods["column path, 1 tok/seq/frame, numpy pass"] = (
+                args.sequences * args.tokens, lambda: run_frame_loop(decoding, seqs, 1, columns=True, one_id_loop=False))
     methods["DecodeStream.step per token (+ stops)"] = (args.sequences * args.tokens,
                                                         lambda: run_decode_stream(tokenizer, seqs))
     methods[f"naive full re-decode per token ({len(sample)} seqs)"] = (len(sample) * args.tokens,

@@ -10,6 +10,11 @@ for, unknown ids, the input's end, the generic path) goes through stream.py's ex
 code. The output is the same either way (tests/test_detok_columns.py runs both side by side); the
 figures are in bench/README.md.
 
+A frame of one id per row (one decode step: the frame the engine sends most) skips most of those
+numpy calls, which at ~1 us each cost more than the work on 256 rows: rows whose text is just
+their id's bytes get it in one C-level fetch over a per-id list, and only the others (a character
+to complete, a stop to check) take per-row Python over per-id lists (_decode_one_id_rows).
+
 Per-handle state lives in arrays indexed by the handle. For a live handled sequence these arrays
 are the truth; its DetokSequence's counts and ByteLevelDetokenizer.pending are loaded before, and
 stored after, a row of it goes the exact way.
@@ -23,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from detok_worker.sequence import DetokSequence
-from detok_worker.token_table import STUCK, VALID2, TokenTable, char_mask, token_table_for
+from detok_worker.token_table import STUCK, VALID2, VALID2_FLAT, TokenTable, char_mask, token_table_for
 from tokenwire.packing import INT32, unpack_int32
 from tokenwire.v1 import detok_worker_pb2
 
@@ -66,6 +71,9 @@ class HandleTable:
         self._tables: list[TokenTable] = []
         self._stop_keys: dict[tuple[str, ...], int] = {}  # stop set -> _stop_key (bounded)
         self._stop_sets: list[tuple[str, ...]] = []
+        # Rows of one id each take _decode_one_id_rows; False sends them through the numpy pass
+        # too, only so that bench/bench_detok.py can measure both in one process.
+        self.one_id_loop = True
 
     # ---- opening and ending ----
 
@@ -117,10 +125,11 @@ class HandleTable:
             self._status[handle] = _ENDED
 
     def _grow(self, handle: int) -> None:
+        """Room for handle, and the last slot still free (_checked_status clips to it)."""
         capacity = len(self._sequences)
-        if handle < capacity:
+        if handle < capacity - 1:
             return
-        new = max(handle + 1, 2 * capacity)
+        new = max(handle + 2, 2 * capacity)
         self._sequences.extend([None] * (new - capacity))
         for name, (dtype, fill) in self._ARRAYS.items():
             grown = np.full(new, fill, dtype=dtype)
@@ -145,6 +154,9 @@ class HandleTable:
             if ids.size != token_bounds[-1]:
                 raise BadFrameError(f"TokenColumns.num_tokens adds up to {int(token_bounds[-1])} ids, "
                                     f"token_ids holds {ids.size}")
+        elif not finished.size and self.one_id_loop and self._feed_one_step(handles, ids, status, feed_exact,
+                                                                            report_stopped, out):
+            return
         live = status == _LIVE  # [rows]; rows of ended sequences are late ids, dropped
         table_index = self._table_index[handles]
         fast = live & (table_index >= 0)
@@ -181,6 +193,26 @@ class HandleTable:
             self._feed_exact_rows(handles, ids, token_bounds, exact_rows, set(finished_rows),
                                   finished_alone, feed_exact)
 
+    def _feed_one_step(self, handles: np.ndarray, ids: np.ndarray, status: np.ndarray, feed_exact: FeedExact,
+                       report_stopped: ReportStopped, out: detok_worker_pb2.TextColumns) -> bool:
+        """The usual frame of one decode step, without the general flow's masks (~1 us per numpy
+        call): every row live, of one byte table, one valid id each, nothing finished. False, with
+        nothing done, when the frame is not that."""
+        if not handles.size or int(status.max()) != _LIVE:  # none is _NEVER (_read checked)
+            return False
+        table_index = self._table_index[handles]  # [rows]
+        group = int(table_index.min())
+        if group < 0 or int(table_index.max()) != group:
+            return False
+        table = self._tables[group]
+        if not table.token_bytes.ids_are_valid(ids):
+            return False
+        part, exact_rows = self._decode_one_id_rows(table, handles, ids, report_stopped)
+        self._write([part], out)
+        if exact_rows:
+            self._feed_exact_rows(handles, ids, None, exact_rows, set(), [], feed_exact)
+        return True
+
     def _read(self, columns: detok_worker_pb2.TokenColumns) -> tuple[np.ndarray, ...]:
         """The columns as arrays, checked: every handle opened on this stream, none twice; and
         the rows' slot status."""
@@ -198,19 +230,17 @@ class HandleTable:
             self._checked_status("finished_handles", finished)
         rows = np.arange(handles.size)
         self._row_of[handles] = rows
-        if np.count_nonzero(self._row_of[handles] != rows):
+        if self._row_of[handles].tobytes() != rows.tobytes():  # a repeated handle kept its last row only
             raise BadFrameError("TokenColumns.handles names a handle twice")
         return handles, counts, ids, finished, status
 
     def _checked_status(self, field: str, handles: np.ndarray) -> np.ndarray:
         """[n] slot status of the handles; BadFrameError for one never opened on this stream."""
-        capacity = len(self._sequences)
-        # Handle 0 and negatives wrap to huge unsigned values: one compare checks both ends.
-        outside = (handles - 1).view(np.uint32) >= capacity - 1
-        status = self._status[np.where(outside, 0, handles)] if np.count_nonzero(outside) else self._status[handles]
-        unknown = outside | (status == _NEVER)
-        if np.count_nonzero(unknown):
-            handle = int(handles[np.argmax(unknown)])
+        # Handle 0, negatives and handles past the arrays clip to slot 0 or the last slot, which
+        # no handle ever holds (_grow keeps it free): _NEVER, as a slot never opened.
+        status = self._status.take(handles, mode="clip")
+        if handles.size and int(status.min()) == _NEVER:
+            handle = int(handles[np.argmax(status == _NEVER)])
             raise BadFrameError(f"TokenColumns.{field}: handle {handle} was never opened on this stream")
         return status
 
@@ -239,6 +269,11 @@ class HandleTable:
                 return None, taken
             part, taken[good] = self._decode_rows(table, handles, counts, ids, token_bounds, narrowed, report_stopped)
             return part, taken
+        if one_each and self.one_id_loop:
+            part, exact_rows = self._decode_one_id_rows(table, g_handles, g_ids, report_stopped)
+            taken[:] = True
+            taken[exact_rows] = False
+            return part, taken
         bounds = None
         pending = self._pending[g_handles]  # [R]
         row_state = table.pending_state[pending]  # [R]
@@ -265,7 +300,7 @@ class HandleTable:
                 taken |= grows
         pending_len = table.pending_len[pending]  # [R]
         new_len = table.piece_lengths[g_ids]  # [n]
-        maybe_stop = self._maybe_stop(table, g_handles, g_counts, g_ids, one_each)  # [n]
+        maybe_stop = self._maybe_stop(table, g_handles, None if one_each else g_counts, g_ids)  # [n]
         if one_each:
             row_ok = fits  # [R]
         else:
@@ -310,9 +345,78 @@ class HandleTable:
         self._num_reported[out_handles] = num_tokens[with_text]
         return (out_handles, text, done_len[with_text], out_num_tokens), row_ok | taken
 
-    def _maybe_stop(self, table: TokenTable, g_handles: np.ndarray, g_counts: np.ndarray, g_ids: np.ndarray,
-                    one_each: bool) -> np.ndarray:
-        """[n] bool: ids whose row's text goes to the stop matcher (_match_stops)."""
+    def _decode_one_id_rows(self, table: TokenTable, g_handles: np.ndarray, g_ids: np.ndarray,
+                            report_stopped: ReportStopped) -> tuple[_Part, list[int]]:
+        """_decode_rows for rows of one (valid) id each, the frame of one decode step. Plain rows
+        (nothing pending, no stop to check, an id that fits the empty state: ~75% of rows on
+        bench_detok's corpus) get their text from one C-level fetch over the per-id list; only
+        the others go through a Python loop, which decides as the numpy pass does with per-id
+        lists (a list index costs ~20 ns, a numpy element ~100 ns, a numpy call ~1 us). Same
+        state and output as the numpy pass (tests/test_detok_columns_one_id.py runs both).
+        Returns the output and the rows left for the exact path, their state untouched."""
+        rows = g_handles.size
+        pending_before = self._pending[g_handles]  # [R]
+        attention = self._held[g_handles] | self._maybe_stop(table, g_handles, None, g_ids)  # [R]: matcher
+        # [R]: each row's text; plain rows' is final, the loop below replaces the others'.
+        row_texts: list[bytes] = table.start_texts[g_ids].tolist()
+        unplain = np.flatnonzero((pending_before != 0) | attention | ~table.fits_start[g_ids])  # [U]
+        grown: list[tuple[int, int]] = []  # (handle, its longer unfinished character)
+        exact_rows: list[int] = []
+        if unplain.size:
+            start_pieces = table.start_pieces
+            trimmed_pieces = table.trimmed_pieces
+            pending_info = table.pending_info
+            clean_heads = table.clean_heads
+            first_bytes = table.first_bytes
+            for row, handle, token_id, pending, to_match in zip(
+                    unplain.tolist(), g_handles[unplain].tolist(), g_ids[unplain].tolist(),
+                    pending_before[unplain].tolist(), attention[unplain].tolist(), strict=True):
+                if not pending:
+                    data = start_pieces[token_id]
+                else:
+                    # Inline, the common case of TokenTable.continue_pending: the id completes the character.
+                    missing, lead, pending_data = pending_info[pending]
+                    if clean_heads[token_id] == missing and VALID2_FLAT[lead | first_bytes[token_id]]:
+                        data = pending_data + trimmed_pieces[token_id]
+                    else:
+                        data, new_pending = table.continue_pending(pending, token_id)
+                        if data is None and new_pending >= 0:  # the unfinished character grew: no text yet
+                            grown.append((handle, new_pending))
+                            row_texts[row] = b""
+                            continue
+                if data is not None and to_match:
+                    data = self._match_row(table, handle, data, [token_id], pending, report_stopped)
+                    if data is None:  # a stop ended it (its state no longer matters)
+                        row_texts[row] = b""
+                        continue
+                elif data is None:
+                    exact_rows.append(row)
+                    row_texts[row] = b""
+                    continue
+                row_texts[row] = data
+        # Commit: every row as if it took its id whole (the id's tail is the unfinished
+        # character), then the few that did not put right.
+        self._pending[g_handles] = table.tail_pending[g_ids]
+        num_tokens = self._num_tokens[g_handles] + 1  # [R]
+        self._num_tokens[g_handles] = num_tokens
+        for handle, new_pending in grown:
+            self._pending[handle] = new_pending
+        for row in exact_rows:  # as they were, for the exact path
+            handle = int(g_handles[row])
+            self._pending[handle] = pending_before[row]
+            self._num_tokens[handle] -= 1
+        lengths = np.fromiter(map(len, row_texts), dtype=np.int64, count=rows)  # [R]
+        with_text = lengths > 0  # never an exact row's: its num_tokens above is not the truth
+        out_handles = g_handles[with_text]  # [E]
+        num_tokens = num_tokens[with_text]
+        out_num_tokens = num_tokens - self._num_reported[out_handles]
+        self._num_reported[out_handles] = num_tokens
+        return (out_handles, b"".join(row_texts), lengths[with_text], out_num_tokens), exact_rows
+
+    def _maybe_stop(self, table: TokenTable, g_handles: np.ndarray, g_counts: np.ndarray | None,
+                    g_ids: np.ndarray) -> np.ndarray:
+        """[n] bool: ids whose row's text goes to the stop matcher (_match_row); g_counts None:
+        one id per row."""
         keys = self._stop_key[g_handles]
         key = int(keys[0])
         if key != -2 and not np.count_nonzero(keys != key):  # one stop set (or none) in the group
@@ -323,7 +427,7 @@ class HandleTable:
         # a stop that starts with such a character).
         stop_low = self._stop_low[g_handles]
         stop_high = self._stop_high[g_handles]
-        if not one_each:
+        if g_counts is not None:
             stop_low = np.repeat(stop_low, g_counts)
             stop_high = np.repeat(stop_high, g_counts)
         return ((table.mask_low[g_ids] & stop_low) | (table.mask_high[g_ids] & stop_high)) != 0
@@ -337,34 +441,24 @@ class HandleTable:
                      taken: np.ndarray, suspects: np.ndarray, g_handles: np.ndarray, g_counts: np.ndarray,
                      g_ids: np.ndarray, bounds: np.ndarray | None, pending: np.ndarray,
                      report_stopped: ReportStopped) -> bytes:
-        """The rows whose text may touch a stop (held text, or a byte some stop starts with), as
-        stream.py's frame loop takes them: could_start, then the matcher's push. What the matcher
-        lets out replaces the row's text (text_len follows); a stop hit ends the sequence through
-        report_stopped and the row leaves row_ok (it is in taken: nothing more to do)."""
+        """The suspect rows of the numpy pass through _match_row. What the matcher lets out
+        replaces the row's text (text_len follows); a row whose stop hit leaves row_ok (it is in
+        taken: nothing more to do)."""
         ends = np.cumsum(np.where(row_ok, text_len, 0)).tolist()
         replaced: list[tuple[int, int, bytes]] = []
         for row, handle in zip(suspects.tolist(), g_handles[suspects].tolist(), strict=True):
-            sequence = self._sequences[handle]
-            assert sequence is not None and sequence.stop_matcher is not None and sequence.stop_search is not None
             start, end = ends[row] - int(text_len[row]), ends[row]
-            row_text = text[start:end].decode("utf-8")
-            if not (sequence.stop_search(row_text) or sequence.stop_matcher.held_text):
-                continue
-            num_new = int(g_counts[row])
+            row_data = text[start:end]
             row_ids = g_ids[row:row + 1] if bounds is None else g_ids[bounds[row]:bounds[row + 1]]
-            sequence.num_tokens = int(self._num_tokens[handle]) + num_new
-            sequence.num_reported = int(self._num_reported[handle])
-            sequence.detokenizer.pending_before_feed = table.pending_bytes(int(pending[row]))  # for a replay
-            emitted = sequence.match_stops(row_text, row_ids.tobytes(), num_new)
-            if sequence.finished:
+            data = self._match_row(table, handle, row_data, row_ids.tobytes(), int(pending[row]), report_stopped)
+            if data is row_data:
+                continue
+            if data is None:
                 row_ok[row] = False
                 taken[row] = True
-                report_stopped(sequence, emitted)
-                replaced.append((start, end, b""))
-                continue
-            self._held[handle] = bool(sequence.stop_matcher.held_text)
-            data = emitted.encode("utf-8")
-            text_len[row] = len(data)
+                data = b""
+            else:
+                text_len[row] = len(data)
             replaced.append((start, end, data))
         if not replaced:
             return text
@@ -376,6 +470,29 @@ class HandleTable:
             position = end
         kept.append(text[position:])
         return b"".join(kept)
+
+    def _match_row(self, table: TokenTable, handle: int, data: bytes, row_ids: list[int] | bytes, pending: int,
+                   report_stopped: ReportStopped) -> bytes | None:
+        """A row whose text may touch a stop (held text, or a byte some stop starts with), as
+        stream.py's frame loop takes it: could_start, then the matcher's push. Returns the bytes
+        to let out (data itself when the matcher is not needed), or None when a stop hit ended
+        the sequence (reported through report_stopped). row_ids: the row's new ids (a list, or
+        int32 LE bytes), replayed on a hit; pending: the row's unfinished character before them."""
+        sequence = self._sequences[handle]
+        assert sequence is not None and sequence.stop_matcher is not None and sequence.stop_search is not None
+        row_text = data.decode("utf-8")
+        if not (sequence.stop_matcher.held_text or sequence.stop_search(row_text)):
+            return data
+        num_new = len(row_ids) if isinstance(row_ids, list) else len(row_ids) >> 2
+        sequence.num_tokens = self._num_tokens.item(handle) + num_new  # .item(): a Python int, fast
+        sequence.detokenizer.pending_before_feed = table.pending_bytes(pending)  # for a replay
+        emitted = sequence.match_stops(row_text, row_ids, num_new)
+        if sequence.finished:
+            sequence.num_reported = self._num_reported.item(handle)  # the stopped delta's count
+            report_stopped(sequence, emitted)
+            return None
+        self._held[handle] = bool(sequence.stop_matcher.held_text)
+        return emitted.encode("utf-8")
 
     @staticmethod
     def _write(parts: list[_Part], out: detok_worker_pb2.TextColumns) -> None:
@@ -390,7 +507,7 @@ class HandleTable:
             text = b"".join(p[1] for p in parts)
             lengths = np.concatenate([p[2] for p in parts])
             num_tokens = np.concatenate([p[3] for p in parts])
-        out.handles = handles.astype(INT32).tobytes()
+        out.handles = handles.astype(INT32, copy=False).tobytes()  # often the frame's own int32 handles
         out.text = text
         out.text_lengths = lengths.astype(INT32).tobytes()
         out.num_tokens = num_tokens.astype(INT32).tobytes()
@@ -404,9 +521,12 @@ class HandleTable:
         arrays' state loaded into their DetokSequences before and stored back after (gathered
         and scattered once for all of them: numpy's per-element access costs more)."""
         row_handles = [*handles[rows].tolist(), *finished_alone]
-        bounds = token_bounds.tolist() if token_bounds is not None else None
-        row_ids = [(ids[row:row + 1] if bounds is None else ids[bounds[row]:bounds[row + 1]]).tobytes()
-                   for row in rows]
+        ids_data = ids.tobytes()  # slicing bytes costs a tenth of slicing the array, then tobytes
+        if token_bounds is None:
+            row_ids = [ids_data[4 * row:4 * row + 4] for row in rows]
+        else:
+            bounds = (4 * token_bounds).tolist()
+            row_ids = [ids_data[bounds[row]:bounds[row + 1]] for row in rows]
         row_ids.extend(b"" for _ in finished_alone)
         finished = [row in finished_rows for row in rows] + [True] * len(finished_alone)
         members: list[ExactRow] = []

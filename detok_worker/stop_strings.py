@@ -26,7 +26,8 @@ class StopStringMatcher:
     """
 
     __slots__ = ("stops", "include_stop_str_in_output", "held_text", "_max_hold", "_prefixes",
-                 "_first_chars", "_starts", "_first_char_set", "_done")
+                 "_first_chars", "_starts", "_first_char_set", "_done", "_prefixes_or_stops",
+                 "_shortest")
 
     def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         if not stops:
@@ -40,7 +41,9 @@ class StopStringMatcher:
         # whether the stop completes (then it must not be emitted) or not (then it is).
         self.held_text = ""
         self._max_hold = max(map(len, self.stops)) - 1
+        self._shortest = min(map(len, self.stops))
         self._prefixes = {stop[:end] for stop in self.stops for end in range(1, len(stop))}
+        self._prefixes_or_stops = self._prefixes | set(self.stops)
         self._first_chars = re.compile("[" + "".join(sorted({re.escape(s[0]) for s in self.stops})) + "]")
         self._starts = tuple(sorted({stop[:2] for stop in self.stops}))  # first two chars (or one)
         self._first_char_set = "".join({stop[0] for stop in self.stops})
@@ -61,6 +64,11 @@ class StopStringMatcher:
         if self._done:
             return "", -1, 0
         held = self.held_text
+        if held and text and self._first_chars.search(text) is None and not self._continued(held, text[0]):
+            # Held text that text's first character ends as a possible stop start: a hit or a
+            # new hold could only start in held (text starts none), so all of it goes out.
+            self.held_text = ""
+            return held + text, -1, 0
         buf = held + text if held else text
         # Most deltas hold no char that starts a stop string: then nothing can match or be
         # held, and one regex scan decides it.
@@ -68,6 +76,11 @@ class StopStringMatcher:
         if first is None:
             self.held_text = ""
             return buf, -1, 0
+        if first.start() == len(buf) - 1 and self._shortest > 1:
+            # Only the last character may start a stop, and no stop is that short: no hit, and
+            # that character is the hold (a "\n" ending a delta, with "\n\nObservation:").
+            self.held_text = buf[-1]
+            return buf[:-1], -1, 0
         best_end = -1
         best_index = -1
         best_len = 0
@@ -87,6 +100,14 @@ class StopStringMatcher:
             return buf[:cut], best_index, best_end - len(held)
         self.held_text = buf[self._hold_from(buf):]
         return buf[:len(buf) - len(self.held_text)], -1, 0
+
+    def _continued(self, held: str, char: str) -> bool:
+        """Whether some suffix of held, then char, is the start of a stop string (or one)."""
+        starts = self._prefixes_or_stops
+        for start in range(len(held)):  # a loop, not any(): a generator costs more for a 1-char hold
+            if held[start:] + char in starts:
+                return True
+        return False
 
     def _hold_from(self, buf: str) -> int:
         """Start of the longest suffix of buf that is a proper prefix of some stop string."""

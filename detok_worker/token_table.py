@@ -42,6 +42,8 @@ def _utf8_tables() -> tuple[np.ndarray, np.ndarray]:
 
 
 NEED, VALID2 = _utf8_tables()
+# VALID2 flattened for one-id lookups: VALID2_FLAT[lead << 8 | second].
+VALID2_FLAT = VALID2.tobytes()
 # A pending state no id completes on the fast path: the exact path takes the row.
 STUCK = 0xFF
 # Stop-start masks: ASCII byte b < 64 is bit b of the low word, 64 <= b < 128 bit b - 64 of the
@@ -92,6 +94,8 @@ class TokenTable:
         self._pending_index: dict[bytes, int] = {}
         self.pending_len = np.zeros(64, dtype=np.int64)
         self.pending_state = np.zeros(64, dtype=np.int64)
+        # The same per interned start for the one-id row loop: (bytes missing, lead << 8, the bytes).
+        self.pending_info: list[tuple[int, int, bytes]] = []
         # Pieces to join: [0, V) whole, [V, 2V) without the tail, 2V + p the interned pending p.
         trimmed = list(pieces)
         self.join_pieces: list[bytes] = []
@@ -103,6 +107,22 @@ class TokenTable:
             self._split(token_id, piece, trimmed)
         self.join_pieces = [*pieces, *trimmed, *self.join_pieces]
         self._stop_starts: dict[tuple[str, ...], np.ndarray] = {}
+        # The one-id row loop (columns.py) reads ids one at a time: Python lists, as indexing a
+        # list costs ~20 ns and a numpy element ~100 ns. trimmed_pieces[i]: id i's bytes without
+        # its tail; start_pieces[i]: the same when the id fits the empty state (fits_start: clean,
+        # no head), else None; clean_heads[i]: its head when clean, else -1 (no pending state
+        # misses -1 bytes); first_bytes[i]: its first byte.
+        self.trimmed_pieces = trimmed
+        self.fits_start = self.clean & (self.head == 0)  # [V]
+        self.start_pieces: list[bytes | None] = [
+            piece if fits else None for piece, fits in zip(trimmed, self.fits_start.tolist(), strict=True)]
+        # [V] object: start_pieces with b"" for None, the plain rows' text, fetched for a whole
+        # frame by one gather (a third of the time of tolist() and operator.itemgetter).
+        self.start_texts = np.empty(size, dtype=object)
+        self.start_texts[:] = [piece or b"" for piece in self.start_pieces]
+        self.tail_pending_list: list[int] = self.tail_pending.tolist()
+        self.first_bytes: list[int] = self.first.tolist()
+        self.clean_heads: list[int] = np.where(self.clean, self.head, -1).tolist()
 
     def stop_starts(self, stops: tuple[str, ...]) -> np.ndarray:
         """[V] bool: a row of this id may need the stop matcher (cached per stop set).
@@ -147,10 +167,26 @@ class TokenTable:
                 state = STUCK
             self.pending_len[index] = len(pending)
             self.pending_state[index] = state
+        state = int(self.pending_state[index])
+        self.pending_info.append((state & 0xFF, (state >> 8) << 8, pending))
         return index
 
     def pending_bytes(self, index: int) -> bytes:
         return self.join_pieces[2 * self.vocab_size + index]
+
+    def continue_pending(self, pending: int, token_id: int) -> tuple[bytes | None, int]:
+        """One id after the unfinished character `pending` (an interned index), decided as
+        columns.py's numpy pass decides it: (text, new pending) when the id completes the
+        character and fits; (None, the longer start) when its continuation bytes only extend it;
+        (None, -1) when the exact path must take the row."""
+        missing, lead, data = self.pending_info[pending]
+        if not VALID2_FLAT[lead | self.first_bytes[token_id]]:
+            return None, -1
+        if self.clean_heads[token_id] == missing:  # never for STUCK
+            return data + self.trimmed_pieces[token_id], self.tail_pending_list[token_id]
+        if self.head[token_id] < missing and self.continuation_len[token_id] and missing != STUCK:
+            return None, self.intern(data + self.token_bytes.pieces[token_id])
+        return None, -1
 
     def _split(self, token_id: int, piece: bytes, trimmed: list[bytes]) -> None:
         length = len(piece)
