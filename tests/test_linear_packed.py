@@ -20,6 +20,8 @@ def test_packed_bf16_linear_is_bitwise_f_linear(num_tokens, with_bias):
     bias = torch.randn(320, generator=gen).bfloat16() if with_bias else None
     layer = Linear(weight, bias)
     assert layer.packed_weight is not None and layer.packed_weight.is_mkldnn
+    assert layer.weight is None  # one copy of the weights in memory, not two
+    assert torch.equal(layer.packed_weight.to_dense(), weight)
     x = torch.randn(num_tokens, 192, generator=gen).bfloat16()
     got = layer(x)
     assert got.shape == (num_tokens, 320) and got.dtype == torch.bfloat16

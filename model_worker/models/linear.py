@@ -55,7 +55,7 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class Linear:
-    """y [T, N] = x [T, K] @ weight [N, K]^T (+ bias)."""
+    """y [T, N] = x [T, K] @ weight [N, K]^T (+ bias); `weight` is None when only the packed copy is kept."""
 
     __slots__ = ("weight", "packed_weight", "bias", "int8_weight", "int8_scales", "row_tile")
 
@@ -74,6 +74,10 @@ class Linear:
             self.int8_weight, self.int8_scales = quantize_int8_per_channel(weight)
         # Batch-invariant mode keeps the plain GEMMs it was validated with.
         self.packed_weight = None if row_tile else pack_for_onednn(weight)
+        if self.packed_weight is not None:
+            # The packed copy is the only one needed: keeping both would double the weights'
+            # memory (a tied lm_head's plain weight lives on as the embedding table).
+            self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_tile:
