@@ -26,6 +26,10 @@ class PrefillSegment:
     # [n, context_len + n] bool, True where attention is allowed; None when context_len is
     # 0, then SDPA's is_causal does the same without building a mask.
     mask: torch.Tensor | None
+    # [n, context_len + n] bool, the causal mask cut to the sliding window (key k allowed for
+    # the query at p when p - window < k <= p), for sliding-window layers; None when the window
+    # excludes no key of this chunk, then `mask` (or is_causal) is already the same.
+    window_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -36,6 +40,9 @@ class DecodeBatch:
     start: int
     block_tables: torch.Tensor  # [B, max_blocks] long, short rows padded with block 0 (masked)
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True where position < seq_len
+    # [B, 1, 1, max_blocks * block_size] bool, also False before seq_len - window, for
+    # sliding-window layers; None when no sequence is longer than the window.
+    window_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,12 +51,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long, flat cache slot (block * block_size + offset) of every token
     prefills: list[PrefillSegment]
     decode: DecodeBatch | None
+    sliding_window: int = 0  # the model's window in tokens (0: none), for the window masks
 
     @classmethod
     def build(cls, prefills: list[tuple[list[int], int, int]], decodes: list[tuple[list[int], int]],
-              block_size: int, device: torch.device) -> AttentionMetadata:
+              block_size: int, device: torch.device, sliding_window: int = 0) -> AttentionMetadata:
         """prefills: (block_table, context_len, num_tokens) per chunk; decodes: (block_table,
-        context_len) per one-token sequence. Rows are laid out prefills first, then decodes."""
+        context_len) per one-token sequence. Rows are laid out prefills first, then decodes.
+        sliding_window > 0 also builds window masks wherever the window excludes a key."""
         positions: list[int] = []
         slots: list[int] = []
         segments: list[PrefillSegment] = []
@@ -58,13 +67,18 @@ class AttentionMetadata:
             end = context_len + n
             positions.extend(range(context_len, end))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(context_len, end))
-            block_ids = mask = None
-            if context_len > 0:
-                block_ids = torch.tensor(table[:-(-end // block_size)], dtype=torch.long, device=device)
-                key_pos = torch.arange(end, device=device)
-                query_pos = torch.arange(context_len, end, device=device)
-                mask = key_pos[None, :] <= query_pos[:, None]
-            segments.append(PrefillSegment(row, n, context_len, block_ids, mask))
+            block_ids = mask = window_mask = None
+            windowed = 0 < sliding_window < end  # the last query (at end - 1) cannot see key 0
+            if context_len > 0 or windowed:
+                key_pos = torch.arange(end, device=device)[None, :]
+                query_pos = torch.arange(context_len, end, device=device)[:, None]
+                causal = key_pos <= query_pos  # [n, end]
+                if context_len > 0:
+                    block_ids = torch.tensor(table[:-(-end // block_size)], dtype=torch.long, device=device)
+                    mask = causal
+                if windowed:
+                    window_mask = causal & (key_pos > query_pos - sliding_window)
+            segments.append(PrefillSegment(row, n, context_len, block_ids, mask, window_mask))
             row += n
         decode = None
         if decodes:
@@ -76,15 +90,21 @@ class AttentionMetadata:
                 used = table[:context_len // block_size + 1]
                 rows.append(used + [0] * (max_blocks - len(used)))
             seq_lens = torch.tensor([context_len + 1 for _, context_len in decodes], device=device)
-            mask = torch.arange(max_blocks * block_size, device=device)[None, :] < seq_lens[:, None]
+            key_pos = torch.arange(max_blocks * block_size, device=device)
+            mask = key_pos[None, :] < seq_lens[:, None]
+            window_mask = None
+            if 0 < sliding_window < max(context_len + 1 for _, context_len in decodes):
+                window_mask = (mask & (key_pos[None, :] >= seq_lens[:, None] - sliding_window))[:, None, None, :]
             decode = DecodeBatch(
                 start=row,
                 block_tables=torch.tensor(rows, dtype=torch.long, device=device),
                 mask=mask[:, None, None, :],
+                window_mask=window_mask,
             )
         return cls(
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             prefills=segments,
             decode=decode,
+            sliding_window=sliding_window,
         )

@@ -213,7 +213,8 @@ class ModelRunner:
             src = torch.tensor([c.src for c in scheduled.block_copies], device=self.device)
             dst = torch.tensor([c.dst for c in scheduled.block_copies], device=self.device)
             self.kv_cache.copy_blocks(src, dst)
-        meta = AttentionMetadata.build(prefills, decodes, self.kv_cache.block_size, self.device)
+        window = self.shape.sliding_window if isinstance(self.shape, LlamaShape) else 0
+        meta = AttentionMetadata.build(prefills, decodes, self.kv_cache.block_size, self.device, window)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model.forward(ids, meta, self.kv_cache)  # [T, hidden]
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)

@@ -47,8 +47,16 @@ def test_dummy_weights_run(qwen3):
     assert all(len(outs) == 3 for outs in outputs.values())
 
 
-def test_sliding_window_is_refused():
-    config = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "use_sliding_window": True, "sliding_window": 32}
-    with pytest.raises(ValueError, match="sliding"):
-        LlamaShape.from_config(config)
+@pytest.mark.parametrize("max_window_layers", [0, 1, 28])
+def test_sliding_window_layers_as_transformers_derives_them(max_window_layers):
+    """use_sliding_window windows the layers transformers' Qwen3Config marks sliding_attention
+    (from max_window_layers on); the window itself is run in test_model_llama_variants.py."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, use_sliding_window=True, sliding_window=32,
+                         max_window_layers=max_window_layers).to_dict()
+    expected = tuple(t == "sliding_attention" for t in config["layer_types"])
+    for saved in (config, {k: v for k, v in config.items() if k != "layer_types"}):  # older configs lack it
+        shape = LlamaShape.from_config({**saved, "architectures": ["Qwen3ForCausalLM"]})
+        assert (shape.sliding_window, shape.sliding_layers) == ((32, expected) if any(expected) else (0, ()))

@@ -73,3 +73,27 @@ def assert_prompt_logprobs_match_transformers(runner: ModelRunner, model) -> Non
     got = out.prompt_logprobs.logprobs[1:]
     assert len(got) == len(expected)
     assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
+
+
+def perturb_weights(model, seed: int = 0, std: float = 0.05) -> None:
+    """Noise on every weight, beyond transformers' small init (and norms off 1), so every
+    weight moves the logits."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * std)
+
+
+def max_logprob_error(runner: ModelRunner, model) -> float:
+    """The largest |logprob - transformers' logprob| over the tokens the engine picks for
+    PROMPTS in the same ragged steps as assert_greedy_matches_transformers (transformers run
+    teacher-forced on those tokens): the figure that shows a variant changes the outputs."""
+    outputs = engine_greedy(runner, PROMPTS, max_tokens=8, step_budget=7)
+    worst = 0.0
+    for i, prompt in enumerate(PROMPTS):
+        tokens = [o.token_id for o in outputs[i]]
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt + tokens[:-1]])).logits[0].log_softmax(-1)  # [len - 1, V]
+        for j, out in enumerate(outputs[i]):
+            worst = max(worst, abs(out.logprob - float(ref[len(prompt) - 1 + j, out.token_id])))
+    return worst

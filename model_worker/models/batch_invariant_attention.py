@@ -6,7 +6,8 @@ SDPA picks its blocking and KV split from the query count and the key length, so
 default path a token's output changes with its prefill chunk's size and start and with the
 longest context among the decodes it is padded to (bench/batch_invariance_probe.py measures
 ~2e-7 in float32, ~1e-3 in bfloat16). Here the call for a token at position p is always
-SDPA(one query, keys 0..p): the same whether it is prefilled in any chunk or decoded.
+SDPA(one query, keys 0..p): the same whether it is prefilled in any chunk or decoded (keys
+p - window + 1..p in a sliding-window layer).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from model_worker.kv_cache import PagedKVCache
 
 
 def per_query_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                        kv: PagedKVCache, scale: float) -> torch.Tensor:
-    """q [T, H, D], this step's k/v [T, Hkv, D] (already in the cache) -> [T, H * D]."""
+                        kv: PagedKVCache, scale: float, sliding: bool = False) -> torch.Tensor:
+    """q [T, H, D], this step's k/v [T, Hkv, D] (already in the cache) -> [T, H * D].
+    sliding: this layer attends only within meta.sliding_window."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)  # [T, H, D]
     k_cache, v_cache = kv.key[layer], kv.value[layer]  # [num_blocks, block_size, Hkv, D]
@@ -28,14 +30,18 @@ def per_query_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     # One-token queries in bf16 run ~8x slower than float32 in torch's CPU kernel (see
     # paged_attention); every token here is a one-token query, so all of them are upcast.
     upcast = q.device.type == "cpu" and q.dtype != torch.float32
+    window = meta.sliding_window if sliding else 0
 
     def attend(row: int, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """keys/values [>= length, Hkv, D] contiguous, positions 0.. of the row's sequence."""
         query = q[row][None, :, None, :]  # [1, H, 1, D]
         if upcast:
             query = query.float()
+        # The query at position length - 1 sees keys from length - window on (all if no window):
+        # a slice, not a mask, so the call is the same one whatever the chunk.
+        first = max(0, length - window) if window else 0
         o = F.scaled_dot_product_attention(
-            query, keys[:length].transpose(0, 1)[None], values[:length].transpose(0, 1)[None],
+            query, keys[first:length].transpose(0, 1)[None], values[first:length].transpose(0, 1)[None],
             scale=scale, enable_gqa=gqa,
         )  # [1, H, 1, D]
         out[row] = o[0, :, 0]

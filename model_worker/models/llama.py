@@ -18,6 +18,7 @@ from model_worker.kv_cache import PagedKVCache
 from model_worker.models.attention import paged_attention
 from model_worker.models.batch_invariant_attention import per_query_attention
 from model_worker.models.linear import BATCH_INVARIANT_ROW_TILE, Linear
+from model_worker.models.rope import RopeScaling, inv_freq_and_attention_factor
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -32,23 +33,23 @@ class LlamaShape:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeScaling
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    # A query at position p sees keys p - sliding_window < k <= p in the layers marked True
+    # (Mistral: all of them; Qwen2/3: layer_types). 0 and () when every layer attends fully.
+    sliding_window: int = 0
+    sliding_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_config(cls, config: dict) -> LlamaShape:
         archs = config.get("architectures") or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise ValueError(f"architectures {archs} not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(f"rope scaling {rope.get('rope_type')!r} is not supported yet")
-        if config.get("use_sliding_window"):
-            raise ValueError("sliding-window attention (use_sliding_window) is not supported yet")
         num_heads = config["num_attention_heads"]
+        sliding_window, sliding_layers = parse_sliding_window(config, archs)
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -58,12 +59,46 @@ class LlamaShape:
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            rope=RopeScaling.from_config(config),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=config.get("attention_bias", False) or "Qwen2ForCausalLM" in archs,
             qk_norm="Qwen3ForCausalLM" in archs,
+            sliding_window=sliding_window,
+            sliding_layers=sliding_layers,
         )
+
+
+def parse_sliding_window(config: dict, archs: list[str]) -> tuple[int, tuple[bool, ...]]:
+    """(window, which layers use it) as transformers reads the config: Mistral windows every
+    layer when sliding_window is set; Qwen2/3 only with use_sliding_window, in the layers
+    layer_types names "sliding_attention" (by default those from max_window_layers on);
+    Llama has no window."""
+    num_layers = config["num_hidden_layers"]
+    window = config.get("sliding_window")
+    if "MistralForCausalLM" in archs:
+        if config.get("layer_types"):
+            # transformers' Mistral ignores layer_types (Ministral is the alternating model).
+            raise ValueError("Mistral with layer_types (alternating attention) is not supported")
+        layers = (True,) * num_layers
+    elif "Qwen2ForCausalLM" in archs or "Qwen3ForCausalLM" in archs:
+        if not config.get("use_sliding_window"):
+            return 0, ()
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if window is not None and i >= config.get("max_window_layers", 28)
+            else "full_attention" for i in range(num_layers)]
+        unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+        if unknown or len(layer_types) != num_layers:
+            raise ValueError(f"layer_types {layer_types} must name 'sliding_attention' or 'full_attention' "
+                             f"for each of the {num_layers} layers")
+        layers = tuple(t == "sliding_attention" for t in layer_types)
+    else:
+        return 0, ()
+    if window is None or not any(layers):
+        return 0, ()
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    return window, layers
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,12 +158,14 @@ class LlamaModel:
             self.lm_head = Linear(take("lm_head.weight"), None, int8_small_batch, row_tile)
         # Rotary tables in float32 for every position, computed as transformers computes
         # them (outer product in float32, cos/sin, then cast) so positions match exactly.
-        inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64).float() / s.head_dim))
+        # Scaled rope types change inv_freq, and yarn scales cos and sin (attention_factor).
+        inv_freq, attention_factor = inv_freq_and_attention_factor(s.rope, s.head_dim, s.max_position_embeddings)
         pos = torch.arange(s.max_position_embeddings, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)  # [max_pos, D]
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.cos = (emb.cos() * attention_factor).to(device=device, dtype=dtype)  # [max_pos, D]
+        self.sin = (emb.sin() * attention_factor).to(device=device, dtype=dtype)
+        self.sliding_layers = s.sliding_layers or (False,) * s.num_layers
         self.scale = 1.0 / math.sqrt(s.head_dim)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache) -> torch.Tensor:
@@ -150,7 +187,7 @@ class LlamaModel:
             q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
             v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim)
             kv.write(i, meta.slot_mapping, k, v)
-            attn = self.attention(i, q, k, v, meta, kv, self.scale)  # [T, H * D]
+            attn = self.attention(i, q, k, v, meta, kv, self.scale, self.sliding_layers[i])  # [T, H * D]
             x = x + layer["o"](attn)
             h = rms_norm(x, layer["post_norm"], s.rms_norm_eps)
             gate, up = layer["gate_up"](h).chunk(2, dim=-1)
