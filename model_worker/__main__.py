@@ -14,7 +14,7 @@ import torch
 
 from model_worker.config import Config
 from model_worker.engine import LLMEngine, default_eos_ids
-from model_worker.engine_loop import EngineLoop
+from model_worker.engine_loop import EngineLoop, new_engine_thread
 from model_worker.host_memory import keep_freed_memory_in_heap
 from model_worker.model_files import model_id_for, resolve_model_dir
 from model_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -81,13 +81,16 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
 
 
 async def serve(config: Config) -> None:
-    engine, model_dir, hf_config, eos_ids = build_engine(config)
+    # Built on the thread that will run its steps, so torch has one OpenMP team (see new_engine_thread).
+    engine_thread = new_engine_thread()
+    engine, model_dir, hf_config, eos_ids = await asyncio.get_running_loop().run_in_executor(
+        engine_thread, build_engine, config)
     runner = engine.runner
     # Structured output: llguidance's token trie from tokenizer.json (~1 s, once).
     tokenizer_json = model_dir / "tokenizer.json"
     grammar_compiler = (GrammarCompiler.from_tokenizer_file(tokenizer_json, runner.vocab_size, eos_ids)
                         if tokenizer_json.is_file() else None)
-    loop = EngineLoop(engine, grammar_compiler)
+    loop = EngineLoop(engine, grammar_compiler, engine_thread)
     loop.start()
     server = grpc_server.new_server()
     model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(

@@ -58,13 +58,28 @@ class StreamOutbox:
     live: dict[str, int] = field(default_factory=dict)
 
 
+def new_engine_thread() -> ThreadPoolExecutor:
+    """The one thread that builds the engine and runs every step.
+
+    libgomp keeps one OpenMP team per thread that starts parallel regions; once there are more
+    team threads than CPUs (a model loaded on the main thread, then stepped on this one: 4
+    threads on 2 cores at --num-threads 2), it spins only ~1000 times at each barrier before
+    sleeping on a futex, so every torch op of a step pays a sleep and a wake-up. Building on the
+    stepping thread keeps one team: SmolLM2 decode on 2 cores measured 1.5x (32 streams) and
+    1.75x (1 stream) faster, at 2.0 instead of 1.2-1.4 cores busy (bench/bench_engine_thread.py).
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+
+
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, grammar_compiler: GrammarCompiler | None = None) -> None:
+    def __init__(self, engine: LLMEngine, grammar_compiler: GrammarCompiler | None = None,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self.grammar_compiler = grammar_compiler
         self._compiling: dict[int, tuple[StreamOutbox, NewRequest]] = {}  # by seq_id
-        # One thread: the engine is single-threaded, and torch uses its own pool inside.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        # One thread: the engine is single-threaded, and torch uses its own pool inside. Pass the
+        # executor the engine was built on (see new_engine_thread) so all torch work shares it.
+        self.executor = executor or new_engine_thread()
         self._seq_ids = itertools.count()
         self._owners: dict[int, tuple[StreamOutbox, str]] = {}
         self._pending_adds: list[tuple[StreamOutbox, int, NewRequest]] = []
