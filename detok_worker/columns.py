@@ -13,7 +13,9 @@ figures are in bench/README.md.
 A frame of one id per row (one decode step: the frame the engine sends most) skips most of those
 numpy calls, which at ~1 us each cost more than the work on 256 rows: rows whose text is just
 their id's bytes get it in one C-level fetch over a per-id list, and only the others (a character
-to complete, a stop to check) take per-row Python over per-id lists (_decode_one_id_rows).
+to complete, a stop to check) take per-row Python over per-id lists (_decode_one_id_rows). Rows
+whose input finished in such a frame (some sequence ends on most engine steps) are ended there too
+when the end adds nothing to their id's text (_finish_plain_rows), else go the exact way.
 
 Per-handle state lives in arrays indexed by the handle. For a live handled sequence these arrays
 are the truth; its DetokSequence's counts and ByteLevelDetokenizer.pending are loaded before, and
@@ -22,6 +24,7 @@ stored after, a row of it goes the exact way.
 
 from __future__ import annotations
 
+import codecs
 import operator
 from collections.abc import Callable
 
@@ -41,8 +44,9 @@ _NEVER, _LIVE, _ENDED = 0, 1, 2
 # ids, input finished).
 ExactRow = tuple[DetokSequence, bytes, bool]
 FeedExact = Callable[[list[ExactRow]], None]
-# Ends a sequence a stop string hit, with the text the matcher let out: a finished TextDelta.
-ReportStopped = Callable[[DetokSequence, str], None]
+# Ends a finished sequence (a stop string hit it, or its input finished), with its last text: a
+# finished TextDelta.
+ReportEnded = Callable[[DetokSequence, str], None]
 # Plain rows' output: handles [E], their texts concatenated (UTF-8), text lengths [E], num_tokens [E].
 _Part = tuple[np.ndarray, bytes, np.ndarray, np.ndarray]
 
@@ -138,10 +142,10 @@ class HandleTable:
 
     # ---- one frame ----
 
-    def feed(self, columns: detok_worker_pb2.TokenColumns, feed_exact: FeedExact, report_stopped: ReportStopped,
+    def feed(self, columns: detok_worker_pb2.TokenColumns, feed_exact: FeedExact, report_ended: ReportEnded,
              out: detok_worker_pb2.TextColumns) -> None:
-        """Decodes the frame's rows: plain text into out, stop hits through report_stopped, the
-        rest through feed_exact (both add TextDeltas to the stream's reply)."""
+        """Decodes the frame's rows: plain text into out, stop hits and plain ends of finished rows
+        through report_ended, the rest through feed_exact (both add TextDeltas to the stream's reply)."""
         handles, counts, ids, finished, status = self._read(columns)
         rows = handles.size
         # [rows + 1]: where each row's ids start; None when every row has exactly one id.
@@ -154,8 +158,8 @@ class HandleTable:
             if ids.size != token_bounds[-1]:
                 raise BadFrameError(f"TokenColumns.num_tokens adds up to {int(token_bounds[-1])} ids, "
                                     f"token_ids holds {ids.size}")
-        elif not finished.size and self.one_id_loop and self._feed_one_step(handles, ids, status, feed_exact,
-                                                                            report_stopped, out):
+        elif self.one_id_loop and self._feed_one_step(handles, ids, finished, status, feed_exact, report_ended,
+                                                      out):
             return
         live = status == _LIVE  # [rows]; rows of ended sequences are late ids, dropped
         table_index = self._table_index[handles]
@@ -180,7 +184,7 @@ class HandleTable:
                           else np.unique(groups).tolist()):
                 in_group = fast & (table_index == group) if len(self._tables) > 1 else fast
                 part, taken = self._decode_rows(self._tables[group], handles, counts, ids, token_bounds, in_group,
-                                                report_stopped)
+                                                report_ended)
                 fast[in_group] = taken
                 if part is not None:
                     parts.append(part)
@@ -193,12 +197,16 @@ class HandleTable:
             self._feed_exact_rows(handles, ids, token_bounds, exact_rows, set(finished_rows),
                                   finished_alone, feed_exact)
 
-    def _feed_one_step(self, handles: np.ndarray, ids: np.ndarray, status: np.ndarray, feed_exact: FeedExact,
-                       report_stopped: ReportStopped, out: detok_worker_pb2.TextColumns) -> bool:
+    def _feed_one_step(self, handles: np.ndarray, ids: np.ndarray, finished: np.ndarray, status: np.ndarray,
+                       feed_exact: FeedExact, report_ended: ReportEnded,
+                       out: detok_worker_pb2.TextColumns) -> bool:
         """The usual frame of one decode step, without the general flow's masks (~1 us per numpy
-        call): every row live, of one byte table, one valid id each, nothing finished. False, with
+        call): every row live, of one byte table, one valid id each. With many streams some
+        sequence ends on most steps: rows whose input finished are ended here when that is plain
+        (_finish_plain_rows), else go the exact way; the others take the one-id loop. False, with
         nothing done, when the frame is not that."""
-        if not handles.size or int(status.max()) != _LIVE:  # none is _NEVER (_read checked)
+        rows = handles.size
+        if not rows or int(status.max()) != _LIVE:  # none is _NEVER (_read checked)
             return False
         table_index = self._table_index[handles]  # [rows]
         group = int(table_index.min())
@@ -207,11 +215,85 @@ class HandleTable:
         table = self._tables[group]
         if not table.token_bytes.ids_are_valid(ids):
             return False
-        part, exact_rows = self._decode_one_id_rows(table, handles, ids, report_stopped)
-        self._write([part], out)
-        if exact_rows:
-            self._feed_exact_rows(handles, ids, None, exact_rows, set(), [], feed_exact)
+        if not finished.size:
+            part, exact_rows = self._decode_one_id_rows(table, handles, ids, report_ended)
+            self._write([part], out)
+            if exact_rows:
+                self._feed_exact_rows(handles, ids, None, exact_rows, set(), [], feed_exact)
+            return True
+        # _read left each handle's row in _row_of; a finished handle without a row here finds
+        # another handle's row (or a stale one) there.
+        row_of = np.minimum(self._row_of[finished], rows - 1)  # [F]
+        has_row = handles[row_of] == finished
+        finished_rows = np.unique(row_of[has_row])  # [F'] rows that end their sequence (a handle named twice: once)
+        finished_alone = finished[~has_row & (self._status[finished] == _LIVE)].tolist()
+        parts: list[_Part] = []
+        exact_rows = self._finish_plain_rows(table, handles, ids, finished_rows, report_ended)
+        if finished_rows.size < rows:
+            going_on = np.ones(rows, dtype=bool)
+            going_on[finished_rows] = False
+            kept = np.flatnonzero(going_on)  # [K]
+            part, kept_exact = self._decode_one_id_rows(table, handles[kept], ids[kept], report_ended)
+            parts.append(part)
+            if kept_exact:
+                exact_rows = np.concatenate([exact_rows, kept[kept_exact]])
+        self._write(parts, out)
+        # Row order, as the general flow feeds them (the order of the reply's deltas).
+        if exact_rows.size or finished_alone:
+            self._feed_exact_rows(handles, ids, None, np.sort(exact_rows).tolist(), set(finished_rows.tolist()),
+                                  finished_alone, feed_exact)
         return True
+
+    def _finish_plain_rows(self, table: TokenTable, handles: np.ndarray, ids: np.ndarray, finished_rows: np.ndarray,
+                           report_ended: ReportEnded) -> np.ndarray:
+        """Ends the sequences of the finished rows whose last id is plain: nothing held, an id that
+        fits the empty state (or completes the unfinished character before it), and no byte a stop
+        of the row starts with. Their text is those bytes, then U+FFFD for a character the id
+        leaves unfinished (a stop that could start there is one with a non-ASCII first character,
+        which flags every id with a non-ASCII byte): what the exact path's finish (flush the
+        detokenizer, then the matcher) would give, without its cost (~20 us per finished row in
+        bench_detok.py --staggered, mostly per-call overhead). Returns the other finished rows,
+        their state untouched, for the exact path."""
+        start_pieces, trimmed_pieces, pending_info = table.start_pieces, table.trimmed_pieces, table.pending_info
+        clean_heads, first_bytes, tail_pending = table.clean_heads, table.first_bytes, table.tail_pending
+        pending, held, stop_key = self._pending, self._held, self._stop_key
+        num_tokens, num_reported, sequences = self._num_tokens, self._num_reported, self._sequences
+        stop_starts: dict[int, np.ndarray] = {}  # stop key -> the table's stop_starts for that set
+        exact_rows: list[int] = []
+        for row, handle, token_id in zip(finished_rows.tolist(), handles[finished_rows].tolist(),
+                                         ids[finished_rows].tolist(), strict=True):
+            pending_index = pending.item(handle)
+            if not pending_index:
+                data = start_pieces[token_id]
+            else:  # the id must complete the unfinished character exactly (as _decode_one_id_rows)
+                missing, lead, pending_data = pending_info[pending_index]
+                data = (pending_data + trimmed_pieces[token_id]
+                        if clean_heads[token_id] == missing and VALID2_FLAT[lead | first_bytes[token_id]] else None)
+            if data is None or held.item(handle):
+                exact_rows.append(row)
+                continue
+            key = stop_key.item(handle)
+            if key != -1:
+                if key == -2:  # past the bounded stop sets: not worth a matcher check here
+                    exact_rows.append(row)
+                    continue
+                flags = stop_starts.get(key)
+                if flags is None:
+                    flags = stop_starts[key] = table.stop_starts(self._stop_sets[key])
+                if flags.item(token_id):
+                    exact_rows.append(row)
+                    continue
+            sequence = sequences[handle]
+            assert sequence is not None
+            sequence.num_tokens = num_tokens.item(handle) + 1
+            sequence.num_reported = num_reported.item(handle)
+            sequence.finished = True
+            text = data.decode("utf-8")
+            tail = tail_pending.item(token_id)
+            if tail:  # the finish flushes an unfinished last character, as ByteLevelDetokenizer.finish
+                text += codecs.utf_8_decode(table.pending_bytes(tail), "replace", True)[0]
+            report_ended(sequence, text)
+        return np.array(exact_rows, dtype=np.int64)
 
     def _read(self, columns: detok_worker_pb2.TokenColumns) -> tuple[np.ndarray, ...]:
         """The columns as arrays, checked: every handle opened on this stream, none twice; and
@@ -246,7 +328,7 @@ class HandleTable:
 
     def _decode_rows(self, table: TokenTable, handles: np.ndarray, counts: np.ndarray, ids: np.ndarray,
                      token_bounds: np.ndarray | None, in_group: np.ndarray,
-                     report_stopped: ReportStopped) -> tuple[_Part | None, np.ndarray]:
+                     report_ended: ReportEnded) -> tuple[_Part | None, np.ndarray]:
         """The rows in_group of one byte table, decoded together. Returns the plain rows' output
         (None if none) and [rows in group] bool: which rows it took. Their state is updated; the
         others' is left as it was, for the exact path."""
@@ -267,10 +349,10 @@ class HandleTable:
             narrowed[in_group] = good
             if not np.count_nonzero(narrowed):
                 return None, taken
-            part, taken[good] = self._decode_rows(table, handles, counts, ids, token_bounds, narrowed, report_stopped)
+            part, taken[good] = self._decode_rows(table, handles, counts, ids, token_bounds, narrowed, report_ended)
             return part, taken
         if one_each and self.one_id_loop:
-            part, exact_rows = self._decode_one_id_rows(table, g_handles, g_ids, report_stopped)
+            part, exact_rows = self._decode_one_id_rows(table, g_handles, g_ids, report_ended)
             taken[:] = True
             taken[exact_rows] = False
             return part, taken
@@ -331,7 +413,7 @@ class HandleTable:
         suspects = np.flatnonzero(row_ok & (maybe_stop | self._held[g_handles]))
         if suspects.size:
             text = self._match_stops(table, text, text_len, row_ok, taken, suspects, g_handles, g_counts, g_ids,
-                                     bounds, pending, report_stopped)
+                                     bounds, pending, report_ended)
         # Commit the rows taken: unfinished characters, counts, one entry per row with text.
         done = g_handles[row_ok]
         done_last = last_ids[row_ok]
@@ -346,7 +428,7 @@ class HandleTable:
         return (out_handles, text, done_len[with_text], out_num_tokens), row_ok | taken
 
     def _decode_one_id_rows(self, table: TokenTable, g_handles: np.ndarray, g_ids: np.ndarray,
-                            report_stopped: ReportStopped) -> tuple[_Part, list[int]]:
+                            report_ended: ReportEnded) -> tuple[_Part, list[int]]:
         """_decode_rows for rows of one (valid) id each, the frame of one decode step. Plain rows
         (nothing pending, no stop to check, an id that fits the empty state: ~75% of rows on
         bench_detok's corpus) get their text from one C-level fetch over the per-id list; only
@@ -385,7 +467,7 @@ class HandleTable:
                             row_texts[row] = b""
                             continue
                 if data is not None and to_match:
-                    data = self._match_row(table, handle, data, [token_id], pending, report_stopped)
+                    data = self._match_row(table, handle, data, [token_id], pending, report_ended)
                     if data is None:  # a stop ended it (its state no longer matters)
                         row_texts[row] = b""
                         continue
@@ -440,7 +522,7 @@ class HandleTable:
     def _match_stops(self, table: TokenTable, text: bytes, text_len: np.ndarray, row_ok: np.ndarray,
                      taken: np.ndarray, suspects: np.ndarray, g_handles: np.ndarray, g_counts: np.ndarray,
                      g_ids: np.ndarray, bounds: np.ndarray | None, pending: np.ndarray,
-                     report_stopped: ReportStopped) -> bytes:
+                     report_ended: ReportEnded) -> bytes:
         """The suspect rows of the numpy pass through _match_row. What the matcher lets out
         replaces the row's text (text_len follows); a row whose stop hit leaves row_ok (it is in
         taken: nothing more to do)."""
@@ -450,7 +532,7 @@ class HandleTable:
             start, end = ends[row] - int(text_len[row]), ends[row]
             row_data = text[start:end]
             row_ids = g_ids[row:row + 1] if bounds is None else g_ids[bounds[row]:bounds[row + 1]]
-            data = self._match_row(table, handle, row_data, row_ids.tobytes(), int(pending[row]), report_stopped)
+            data = self._match_row(table, handle, row_data, row_ids.tobytes(), int(pending[row]), report_ended)
             if data is row_data:
                 continue
             if data is None:
@@ -472,11 +554,11 @@ class HandleTable:
         return b"".join(kept)
 
     def _match_row(self, table: TokenTable, handle: int, data: bytes, row_ids: list[int] | bytes, pending: int,
-                   report_stopped: ReportStopped) -> bytes | None:
+                   report_ended: ReportEnded) -> bytes | None:
         """A row whose text may touch a stop (held text, or a byte some stop starts with), as
         stream.py's frame loop takes it: could_start, then the matcher's push. Returns the bytes
         to let out (data itself when the matcher is not needed), or None when a stop hit ended
-        the sequence (reported through report_stopped). row_ids: the row's new ids (a list, or
+        the sequence (reported through report_ended). row_ids: the row's new ids (a list, or
         int32 LE bytes), replayed on a hit; pending: the row's unfinished character before them."""
         sequence = self._sequences[handle]
         assert sequence is not None and sequence.stop_matcher is not None and sequence.stop_search is not None
@@ -489,7 +571,7 @@ class HandleTable:
         emitted = sequence.match_stops(row_text, row_ids, num_new)
         if sequence.finished:
             sequence.num_reported = self._num_reported.item(handle)  # the stopped delta's count
-            report_stopped(sequence, emitted)
+            report_ended(sequence, emitted)
             return None
         self._held[handle] = bool(sequence.stop_matcher.held_text)
         return emitted.encode("utf-8")

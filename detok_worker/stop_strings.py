@@ -6,6 +6,7 @@ detokenizer through a StopStringMatcher before it goes out in a TextDelta.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -13,6 +14,20 @@ from collections.abc import Sequence
 # to and including the stop's last one, 0 when no hit). A plain tuple: it is built once per
 # sequence per frame.
 StopCheck = tuple[str, int, int]
+
+
+@functools.lru_cache(maxsize=256)
+def _stop_set_tables(stops: tuple[str, ...]) -> tuple[int, int, frozenset[str], frozenset[str], re.Pattern[str],
+                                                     tuple[str, ...], str]:
+    """What a matcher looks up for a stop set, built once per set: a sequence is opened per
+    request, and with many streams this was half of the detok worker's cost of an open.
+    (longest hold, shortest stop, proper prefixes, prefixes and stops, first-character regex,
+    first two characters of each, first characters.)"""
+    prefixes = frozenset(stop[:end] for stop in stops for end in range(1, len(stop)))
+    return (max(map(len, stops)) - 1, min(map(len, stops)), prefixes, prefixes | frozenset(stops),
+            re.compile("[" + "".join(sorted({re.escape(stop[0]) for stop in stops})) + "]"),
+            tuple(sorted({stop[:2] for stop in stops})),  # first two chars (or one)
+            "".join({stop[0] for stop in stops}))
 
 
 class StopStringMatcher:
@@ -40,13 +55,8 @@ class StopStringMatcher:
         # Text that could be the start of a stop string: held until the next push shows
         # whether the stop completes (then it must not be emitted) or not (then it is).
         self.held_text = ""
-        self._max_hold = max(map(len, self.stops)) - 1
-        self._shortest = min(map(len, self.stops))
-        self._prefixes = {stop[:end] for stop in self.stops for end in range(1, len(stop))}
-        self._prefixes_or_stops = self._prefixes | set(self.stops)
-        self._first_chars = re.compile("[" + "".join(sorted({re.escape(s[0]) for s in self.stops})) + "]")
-        self._starts = tuple(sorted({stop[:2] for stop in self.stops}))  # first two chars (or one)
-        self._first_char_set = "".join({stop[0] for stop in self.stops})
+        (self._max_hold, self._shortest, self._prefixes, self._prefixes_or_stops, self._first_chars, self._starts,
+         self._first_char_set) = _stop_set_tables(tuple(stops))
         self._done = False
 
     def could_start(self, text: str) -> bool:

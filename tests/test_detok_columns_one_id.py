@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from detok_worker.columns import _LIVE
+from detok_worker.columns import _LIVE, HandleTable
 from detok_worker.stop_strings import StopStringMatcher
 from detok_worker.stream import BadFrameError, DetokenizeStream
 from detok_worker.token_bytes import TokenizerDecoding
@@ -202,3 +203,138 @@ def test_matcher_with_holds_matches_one_shot_reference(pieces: list[str], stops:
     text = "".join(pieces)
     ref_index, ref_start, _ = reference_stop(text, stops)
     assert (stop_index, emitted) == (ref_index, text[:ref_start])
+
+
+def watch_lanes(table: HandleTable) -> tuple[list[bool], list[int]]:
+    """Records, without changing what they do, which frames the one-step lane took (one bool per
+    frame of one id per row: False, the general flow) and [finished rows ended plainly, finished
+    rows left for the exact path]."""
+    lane_taken: list[bool] = []
+    finish_counts = [0, 0]
+    feed_one_step = table._feed_one_step
+    finish_plain_rows = table._finish_plain_rows
+
+    def watched_feed_one_step(*args: Any) -> bool:
+        lane_taken.append(feed_one_step(*args))
+        return lane_taken[-1]
+
+    def watched_finish_plain_rows(*args: Any) -> np.ndarray:
+        left = finish_plain_rows(*args)
+        finish_counts[0] += args[3].size - left.size
+        finish_counts[1] += left.size
+        return left
+
+    table._feed_one_step = watched_feed_one_step
+    table._finish_plain_rows = watched_finish_plain_rows
+    return lane_taken, finish_counts
+
+
+def test_frames_with_finished_rows_take_the_one_step_lane(decodings: dict[str, TokenizerDecoding],
+                                                          vocab_info: VocabInfo) -> None:
+    """Staggered sequences, as an engine's steps send them: some sequence finishes on most frames,
+    with its last id (a row) or after it (a finished handle alone). The other rows still take the
+    one-id loop, the plain finished rows end there too, the others go the exact way; answers and
+    state equal the numpy pass's, and texts tokenizer.decode's."""
+    rng = np.random.default_rng(4)
+    texts = vocab_info["smollm2"][1]
+    tokenizer = decodings["smollm2"].tokenizer
+    id_lists = [list(texts[number % len(texts)])[:int(rng.integers(3, 40))] for number in range(40)]
+    id_lists += [rng.integers(0, 300, size=int(rng.integers(3, 20))).tolist() for _ in range(6)]  # lone bytes
+    streams = [DetokenizeStream(lambda ident: decodings[ident.path]) for _ in range(2)]
+    streams[1]._columns.one_id_loop = False
+    loop_table = streams[0]._columns
+    lane_taken, finish_counts = watch_lanes(loop_table)
+    names = {number + 1: f"s{number}" for number in range(len(id_lists))}
+    starts = {handle: int(rng.integers(0, 12)) for handle in names}  # staggered start frames
+    stops = {handle: STOPS[handle % len(STOPS)] if handle % 3 else [] for handle in names}
+    # Every 4th sequence hears its end one frame after its last id, in a frame without its row.
+    late_end = {handle: handle % 4 == 0 for handle in names}
+    collected = {name: "" for name in names.values()}
+    ended: set[int] = set()
+    frames_with_finished = 0
+    for step in range(60):
+        frame = pb.DetokenizeFrame(opens=[
+            pb.OpenSequence(sequence_id=names[handle], tokenizer=identity("smollm2"), handle=handle,
+                            stop=stops[handle], skip_special_tokens=True)
+            for handle, start in starts.items() if start == step])
+        rows, finished = [], []
+        for handle, ids in zip(names, id_lists, strict=True):
+            position = step - starts[handle]
+            if handle in ended or position < 0:
+                continue
+            if position < len(ids):
+                rows.append((handle, ids[position]))
+            if position == len(ids) - 1 + late_end[handle]:
+                finished.append(handle)
+        rng.shuffle(rows)
+        frame.columns.handles = pack_int32([handle for handle, _ in rows])
+        frame.columns.num_tokens = pack_int32([1] * len(rows))
+        frame.columns.token_ids = pack_int32([token_id for _, token_id in rows])
+        frame.columns.finished_handles = pack_int32(finished)
+        lanes_before = len(lane_taken)
+        loop_answers, numpy_answers = (answers_of(stream.apply(frame), names) for stream in streams)
+        assert loop_answers == numpy_answers, f"frame {step}"
+        finished_rows = len(set(finished) & {handle for handle, _ in rows})
+        if finished and len(rows) > finished_rows:
+            frames_with_finished += 1
+            assert lane_taken[lanes_before:] == [True], f"frame {step}"
+        for name, answer in loop_answers.items():
+            collected[name] += answer[0]
+            if answer[2]:
+                ended.add(int(name[1:]) + 1)
+        live = np.flatnonzero(loop_table._status == _LIVE)
+        for array in ("_pending", "_num_tokens", "_num_reported", "_held"):
+            assert np.array_equal(getattr(loop_table, array)[live], getattr(streams[1]._columns, array)[live]), array
+    assert frames_with_finished > 15
+    assert min(finish_counts) > 5, finish_counts  # both ways taken
+    assert ended == set(names)
+    for handle, ids in zip(names, id_lists, strict=True):
+        if not stops[handle]:
+            assert collected[names[handle]] == tokenizer.decode(ids, skip_special_tokens=True), names[handle]
+
+
+def test_finished_rows_end_in_the_lane_only_when_their_end_is_plain(smollm2_decoding: TokenizerDecoding) -> None:
+    """Each thing that makes a finished row's end more than its id's bytes (or the character its id
+    completes, then U+FFFD for one it leaves unfinished) sends it the exact way: an unfinished
+    character the id does not complete, held text, an id that may start (here: completes) a stop.
+    Checked against the numpy pass and by hand."""
+    hello, newline, x, lead_e6, a, lead_c3, ab, tail_a9 = 28120, 198, 104, 177, 81, 142, 369, 119  # SmolLM2 ids
+    space_e2_86 = 9943  # b" \xe2\x86": a space, then two bytes of a three-byte character
+    sequences = {  # handle: (stops, ids); all but 6 and 7 finish with their last id's row
+        1: ([], [hello, hello, x]),  # plain: ends in the loop's lane
+        2: ([], [hello, lead_e6, a]),  # "\xe6" then "a": U+FFFD for the lone start byte
+        3: (["\n\nObs"], [hello, newline, x]),  # "\n" held until "x" releases it
+        4: (["\n\nObs"], [hello, hello, lead_c3]),  # ends inside a character: plain, then U+FFFD
+        9: (["é"], [hello, hello, lead_c3]),  # the same, but a stop may start there: the exact way
+        10: ([], [hello, hello, space_e2_86]),  # plain: " " and one U+FFFD for both bytes (as CPython)
+        5: (["ab"], [hello, hello, ab]),  # the last id completes a stop
+        6: ([], [hello, hello, hello, hello]),  # goes on
+        7: ([], [hello, hello]),  # its end comes alone, in the frame after its last id
+        8: (["\n\nObs"], [hello, lead_c3, tail_a9]),  # completes "é": plain, ends in the loop's lane
+    }
+    streams = [DetokenizeStream(lambda _ident: smollm2_decoding) for _ in range(2)]
+    streams[1]._columns.one_id_loop = False
+    lane_taken, finish_counts = watch_lanes(streams[0]._columns)
+    names = {handle: f"s{handle}" for handle in sequences}
+    finals: dict[int, tuple] = {}
+    for step in range(4):
+        frame = pb.DetokenizeFrame(opens=[
+            pb.OpenSequence(sequence_id=names[handle], tokenizer=identity("smollm2"), handle=handle, stop=stops,
+                            skip_special_tokens=True)
+            for handle, (stops, _) in sequences.items()] if step == 0 else [])
+        rows = [(handle, ids[step]) for handle, (_, ids) in sequences.items() if step < len(ids) and handle not in finals]
+        frame.columns.handles = pack_int32([handle for handle, _ in rows])
+        frame.columns.num_tokens = pack_int32([1] * len(rows))
+        frame.columns.token_ids = pack_int32([token_id for _, token_id in rows])
+        finished = [h for h, (_, ids) in sequences.items() if h != 6 and step == len(ids) - (h != 7) and h not in finals]
+        frame.columns.finished_handles = pack_int32(finished + finished[:2])  # a handle named twice ends once
+        loop_answers, numpy_answers = (answers_of(stream.apply(frame), names) for stream in streams)
+        assert loop_answers == numpy_answers, f"frame {step}"
+        finals.update({int(name[1:]): answer for name, answer in loop_answers.items() if answer[2]})
+    assert lane_taken[2] and len(lane_taken) == 4
+    assert finish_counts == [4, 4]  # 1, 4, 8 and 10 ended plainly; 2, 3, 5 and 9 the exact way
+    # (text, num_tokens, finished, stop_index, num_tokens_to_stop, error) of each finished delta
+    assert finals == {1: ("x", 1, True, -1, 0, ""), 2: ("\ufffda", 2, True, -1, 0, ""),
+                      3: ("\nx", 2, True, -1, 0, ""), 4: ("\ufffd", 1, True, -1, 0, ""),
+                      5: ("", 1, True, 0, 3, ""), 7: ("", 0, True, -1, 0, ""), 8: ("é", 2, True, -1, 0, ""),
+                      9: ("\ufffd", 1, True, -1, 0, ""), 10: (" \ufffd", 1, True, -1, 0, "")}
