@@ -164,12 +164,19 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
         stack.stop()
 
 
+RESERVE_CORE_FROM = 8
+
+
 def one_host_worker_threads(num_model_workers: int = 1) -> int:
-    """Torch threads for each model worker sharing its host with the gateway and detok workers: one
-    core is left to them, the rest split between the model workers. On 2 cores, 2 worker threads
-    made a single stream through the gateway slower than 1 (40.5 vs 56.6 tok/s, bench/README.md):
-    each token wakes the other services, and a preempted OpenMP thread stalls every barrier of the step."""
-    return max(1, ((os.cpu_count() or 2) - 1) // num_model_workers)
+    """Torch threads for each model worker sharing its host with the gateway and detok workers,
+    the cores split between the model workers. From RESERVE_CORE_FROM cores on, one core is left
+    to the serving path, which needs ~0.15 of a core at 32 streams on SmolLM2; below that a whole
+    core is too much compute to give up: on 2 cores, 2 worker threads served 607-645 tok/s at 32
+    streams through the gateway against 380-416 with 1 (and 66 vs ~60 at one stream)."""
+    cores = os.cpu_count() or 1
+    if cores >= RESERVE_CORE_FROM:
+        cores -= 1
+    return max(1, cores // num_model_workers)
 
 
 def main() -> int:
