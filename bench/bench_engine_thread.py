@@ -21,6 +21,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.workload import engine_bench_args  # noqa: E402
+
 MODES = ("main thread", "stepping thread")
 
 
@@ -54,23 +56,19 @@ def run_one(mode: str, batch: int, tokens: int, worker_args: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog="Flags after -- go to the model worker's Config.")
-    parser.add_argument("--batch-sizes", default="1,32")
-    parser.add_argument("--tokens", type=int, default=100, help="decode tokens per request")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: mode,batch of a child run
-    args = parser.parse_args(argv[:split])
-    worker_args = argv[split + 1:]
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--tokens", type=int, default=100, help="decode tokens per request")
+        parser.add_argument("--rounds", type=int, default=2)
+        parser.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: mode,batch of a child run
+
+    args, worker_args = engine_bench_args(__doc__, argv, add_args)
     if args.one:
         mode, batch = args.one.rsplit(",", 1)
         print(json.dumps(run_one(mode, int(batch), args.tokens, worker_args)))
         return
     print("| batch | engine built on | decode tok/s | CPU cores busy |")
     print("|---|---|---|---|")
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
+    for batch in args.batch_sizes:
         for _ in range(args.rounds):
             for mode in MODES:
                 child = subprocess.run(

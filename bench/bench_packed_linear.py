@@ -20,6 +20,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.workload import engine_bench_args  # noqa: E402
 from model_worker.__main__ import build_engine  # noqa: E402
 from model_worker.config import Config  # noqa: E402
 from model_worker.models.linear import Linear  # noqa: E402
@@ -60,16 +61,13 @@ def bench_batch(engine, batch: int, steps: int, base_id: int) -> dict[str, list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog="Flags after -- go to the model worker's Config.")
-    parser.add_argument("--batch-sizes", default="1,32")
-    parser.add_argument("--steps", type=int, default=60, help="timed decode steps per batch size (half each mode)")
-    args = parser.parse_args(argv[:split])
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--steps", type=int, default=60, help="timed decode steps per batch size (half each mode)")
+
+    args, worker_args = engine_bench_args(__doc__, argv, add_args)
+    batches = args.batch_sizes
     config = parse_config(Config, argv=["--max-num-seqs", str(max(batches)), "--max-model-len",
-                                        str(32 + args.steps + 16), "--dtype", "bfloat16", *argv[split + 1:]])
+                                        str(32 + args.steps + 16), "--dtype", "bfloat16", *worker_args])
     engine, _, _, _ = build_engine(config)
     print("| batch | packed step ms (median / best) | F.linear step ms (median / best) | plain / packed |")
     print("|---|---|---|---|")

@@ -7,7 +7,8 @@ side-by-side comparison hands each of them the same workload and they build the 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,3 +118,16 @@ def workload_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
                         args.max_concurrency, args.num_requests, args.waves, args.seed)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def engine_bench_args(doc: str, argv: list[str] | None,
+                      add_args: Callable[[argparse.ArgumentParser], None]) -> tuple[argparse.Namespace, list[str]]:
+    """(this bench's args, the model worker Config flags after `--`) for the benches that build
+    an engine from the model worker's own flags; every one takes --batch-sizes."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0],
+                                     epilog="Flags after -- go to the model worker's Config.")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 32])
+    add_args(parser)
+    return parser.parse_args(argv[:split]), argv[split + 1:]
