@@ -238,7 +238,8 @@ class HandleTable:
             if kept_exact:
                 exact_rows = np.concatenate([exact_rows, kept[kept_exact]])
         self._write(parts, out)
-        # Row order, as the general flow feeds them (the order of the reply's deltas).
+        # Exact rows in row order, as the general flow feeds them. Their deltas follow those of the
+        # lane's finishes and stop hits, unlike the general flow's; readers match deltas by sequence id.
         if exact_rows.size or finished_alone:
             self._feed_exact_rows(handles, ids, None, np.sort(exact_rows).tolist(), set(finished_rows.tolist()),
                                   finished_alone, feed_exact)

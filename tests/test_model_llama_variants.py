@@ -201,5 +201,12 @@ def test_sliding_window_parsing():
     assert (shape.sliding_window, shape.sliding_layers) == (16, (True, False))
     with pytest.raises(ValueError, match="layer_types"):
         LlamaShape.from_config({**qwen2, "layer_types": ["chunked_attention", "full_attention"]})
+    # A config.json without the key: transformers' config classes default it to 4096.
+    from transformers import MistralConfig, Qwen2Config
+    no_key = {k: v for k, v in mistral.items() if k != "sliding_window"}
+    assert LlamaShape.from_config(no_key).sliding_window == MistralConfig(**no_key).sliding_window == 4096
+    qwen2_no_key = {k: v for k, v in qwen2.items() if k != "sliding_window"} | {"max_window_layers": 1}
+    shape = LlamaShape.from_config(qwen2_no_key)
+    assert (shape.sliding_window, shape.sliding_layers) == (Qwen2Config(**qwen2_no_key).sliding_window, (False, True))
     # Llama has no window in transformers: a stray key changes nothing.
     assert LlamaShape.from_config(llama_config(sliding_window=16)).sliding_window == 0

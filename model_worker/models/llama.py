@@ -69,13 +69,18 @@ class LlamaShape:
         )
 
 
+# transformers' default sliding_window for Mistral, Qwen2 and Qwen3 configs that leave it out.
+CONFIG_DEFAULT_SLIDING_WINDOW = 4096
+
+
 def parse_sliding_window(config: dict, archs: list[str]) -> tuple[int, tuple[bool, ...]]:
     """(window, which layers use it) as transformers reads the config: Mistral windows every
     layer when sliding_window is set; Qwen2/3 only with use_sliding_window, in the layers
     layer_types names "sliding_attention" (by default those from max_window_layers on);
     Llama has no window."""
     num_layers = config["num_hidden_layers"]
-    window = config.get("sliding_window")
+    # A config.json without the key gets MistralConfig's / Qwen2Config's default; null is no window.
+    window = config.get("sliding_window", CONFIG_DEFAULT_SLIDING_WINDOW)
     if "MistralForCausalLM" in archs:
         if config.get("layer_types"):
             # transformers' Mistral ignores layer_types (Ministral is the alternating model).
