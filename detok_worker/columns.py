@@ -255,8 +255,7 @@ class HandleTable:
         detokenizer, then the matcher) would give, without its cost (~20 us per finished row in
         bench_detok.py --staggered, mostly per-call overhead). Returns the other finished rows,
         their state untouched, for the exact path."""
-        start_pieces, trimmed_pieces, pending_info = table.start_pieces, table.trimmed_pieces, table.pending_info
-        clean_heads, first_bytes, tail_pending = table.clean_heads, table.first_bytes, table.tail_pending
+        start_pieces, tail_pending = table.start_pieces, table.tail_pending
         pending, held, stop_key = self._pending, self._held, self._stop_key
         num_tokens, num_reported, sequences = self._num_tokens, self._num_reported, self._sequences
         stop_starts: dict[int, np.ndarray] = {}  # stop key -> the table's stop_starts for that set
@@ -264,12 +263,8 @@ class HandleTable:
         for row, handle, token_id in zip(finished_rows.tolist(), handles[finished_rows].tolist(),
                                          ids[finished_rows].tolist(), strict=True):
             pending_index = pending.item(handle)
-            if not pending_index:
-                data = start_pieces[token_id]
-            else:  # the id must complete the unfinished character exactly (as _decode_one_id_rows)
-                missing, lead, pending_data = pending_info[pending_index]
-                data = (pending_data + trimmed_pieces[token_id]
-                        if clean_heads[token_id] == missing and VALID2_FLAT[lead | first_bytes[token_id]] else None)
+            # After an unfinished character the id must complete it exactly: text, not a longer start.
+            data = start_pieces[token_id] if not pending_index else table.continue_pending(pending_index, token_id)[0]
             if data is None or held.item(handle):
                 exact_rows.append(row)
                 continue

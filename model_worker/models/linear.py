@@ -3,7 +3,7 @@
 On CPU the bf16 weights are kept pre-packed in oneDNN's blocked layout. F.linear with a plain
 bf16 weight already runs oneDNN, but reorders the weight on every call; packing once (what
 torch.compile's freezing does) gives bitwise the same results 1.2-2x faster on this project's
-CPUs (SmolLM2's GEMMs: 1.25-1.3x at 32 tokens, ~1.8x at 1 token; scratch microbenchmark).
+CPUs (SmolLM2's decode step: 1.14x at 32 streams, 1.27x at 1; bench/bench_packed_linear.py).
 float32 stays on F.linear (MKL): oneDNN would be faster there too, but not bitwise equal.
 
 At one to a few tokens a step reads every weight once and does little math, so it is bound by
