@@ -18,19 +18,19 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 if __package__ in (None, ""):  # run as a file: python bench/loadgen.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.metrics import LevelSummary, RequestRecord, summarize  # noqa: E402
-from bench.openai_stream import RequestSpec, stream_request  # noqa: E402
+from bench.openai_stream import RequestSpec, client_session, stream_request  # noqa: E402
 from bench.prompts import Prompt, default_tokenizer_path, load_tokenizer, make_prompts  # noqa: E402
 from bench.report import build_report, save_report  # noqa: E402
 from bench.workload import Level, Workload, add_workload_args, arrival_offsets, workload_from_args  # noqa: E402
 
 
-async def run_level(client: httpx.AsyncClient, url: str, spec: RequestSpec, prompts: list[Prompt],
+async def run_level(client: aiohttp.ClientSession, url: str, spec: RequestSpec, prompts: list[Prompt],
                     level: Level, seed: int = 0, count_text: Callable[[str], int] | None = None
                     ) -> list[RequestRecord]:
     """Sends the level's requests (prompts: its own, in order): at most `concurrency` at once, or
@@ -52,10 +52,10 @@ async def run_level(client: httpx.AsyncClient, url: str, spec: RequestSpec, prom
     return list(await asyncio.gather(*(one(i) for i in range(level.num_requests))))
 
 
-async def discover_model(client: httpx.AsyncClient, base_url: str) -> str:
-    reply = await client.get(f"{base_url}/models")
-    reply.raise_for_status()
-    models = reply.json().get("data") or []
+async def discover_model(client: aiohttp.ClientSession, base_url: str) -> str:
+    async with client.get(f"{base_url}/models") as reply:
+        reply.raise_for_status()
+        models = (await reply.json()).get("data") or []
     if not models:
         raise RuntimeError(f"{base_url}/models lists no model; pass --model")
     return models[0]["id"]
@@ -69,10 +69,8 @@ async def run_sweep(base_url: str, spec: RequestSpec, workload: Workload, pool: 
     pool: workload.pool_size prompts (each level takes its own slice)."""
     base_url = base_url.rstrip("/")
     url = base_url + spec.path
-    # No connection cap and no timeouts: queueing belongs to the server under test, and a
-    # 200-token CPU decode at 32 streams can take minutes.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+    # No timeouts: a 200-token CPU decode at 32 streams can take minutes.
+    async with client_session() as client:
         if not spec.model:
             spec = RequestSpec(**{**asdict(spec), "model": await discover_model(client, base_url)})
         warm_spec = RequestSpec(**{**asdict(spec), "max_tokens": min(spec.max_tokens, 4)})
@@ -149,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summaries = asyncio.run(run_sweep(args.base_url, spec, workload, pool, args.warmup_requests,
                                           count_text=count_text))
-    except (RuntimeError, httpx.HTTPError) as exc:  # server down, no model, warm-up refused
+    except (RuntimeError, aiohttp.ClientError) as exc:  # server down, no model, warm-up refused
         print(f"loadgen: {exc}", file=sys.stderr)
         return 2
     report = build_report(args.label, "openai", {**asdict(workload), "base_url": args.base_url, "api": args.api,

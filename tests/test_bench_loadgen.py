@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from bench.loadgen import run_level, run_sweep
 from bench.metrics import RequestRecord, distribution_ms, summarize
-from bench.openai_stream import ChunkTokenCounter, RequestSpec, parse_sse_line
+from bench.openai_stream import ChunkTokenCounter, RequestSpec, client_session, parse_sse_line
 from bench.prompts import Prompt, make_prompts
 from bench.workload import Level, Workload, arrival_offsets
 
@@ -311,9 +311,7 @@ def test_loadgen_rate_mode_and_http_errors(serve):
 
 async def _run_level(base_url: str, spec: RequestSpec, prompts: list[Prompt], level: Level,
                      count_text=None) -> list[RequestRecord]:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with client_session(timeout_s=10) as client:
         return await run_level(client, base_url + spec.path, spec, prompts, level, count_text=count_text)
 
 
