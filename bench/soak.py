@@ -335,9 +335,10 @@ async def soak(stack: Stack, args: argparse.Namespace) -> dict:
         model = (await client.get(f"{stack.gateway_url}/v1/models")).json()["data"][0]["id"]
     requests = plan_requests(args.requests, args.seed, args.vocab_size, args.max_prompt_tokens,
                              args.max_output_tokens, args.disconnect_fraction)
-    # Warm-up as long as the soak by default: the model worker's RSS climbs for several hundred
-    # requests of mixed shapes before it levels off (oneDNN's per-shape primitive cache, up to
-    # 1024 entries, is most of it with bf16 on CPU), so growth after it means something is kept.
+    # Warm-up as long as the soak by default: caches that fill to a bound (the KV cache's pages
+    # touched for the first time; oneDNN's per-shape primitive caches, bounded in
+    # model_worker/__init__.py) raise RSS before it levels off, so growth after it means
+    # something is kept.
     num_warmup = args.warmup_requests if args.warmup_requests is not None else args.requests
     warmup = plan_requests(num_warmup, args.seed + 1, args.vocab_size,
                            args.max_prompt_tokens, args.max_output_tokens, args.disconnect_fraction)
