@@ -43,6 +43,7 @@ class DecodeBatch:
     # [B, 1, 1, max_blocks * block_size] bool, also False before seq_len - window, for
     # sliding-window layers; None when no sequence is longer than the window.
     window_mask: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None  # [B] long, each sequence's seq_len (for a compiled kernel)
 
 
 @dataclass
@@ -100,6 +101,7 @@ class AttentionMetadata:
                 block_tables=torch.tensor(rows, dtype=torch.long, device=device),
                 mask=mask[:, None, None, :],
                 window_mask=window_mask,
+                seq_lens=seq_lens,
             )
         return cls(
             positions=torch.tensor(positions, dtype=torch.long, device=device),

@@ -6,6 +6,8 @@ file only holds the memory the model reads and writes through those block tables
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 # CPU default when neither --kv-cache-memory-bytes nor --kv-cache-tokens is given: 1 GiB
@@ -64,6 +66,9 @@ class PagedKVCache:
         # attention weight, and NaN garbage from uninitialised memory would give 0 * NaN = NaN.
         self.key = torch.zeros(shape, dtype=dtype, device=device)
         self.value = torch.zeros(shape, dtype=dtype, device=device)
+        # A compiled decode attention that reads this layout in place (model_worker/kernels:
+        # bf16 on AVX512-BF16 CPUs), set by the ModelRunner; None: attention gathers with torch ops.
+        self.decode_kernel: Callable[..., torch.Tensor] | None = None
 
     @property
     def num_bytes(self) -> int:

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from model_worker.attention_metadata import AttentionMetadata
+from model_worker.kernels import paged_decode_attention_module
 from model_worker.kv_cache import PagedKVCache, kv_bytes_per_token, num_kv_blocks
 from model_worker.models import gpt2
 from model_worker.models.gpt2 import GPT2Model, GPT2Shape
@@ -137,7 +138,8 @@ class ModelRunner:
     def __init__(self, model_dir: Path, load_format: str, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int, max_model_len: int, block_size: int = 16, kv_cache_tokens: int = 0,
                  kv_cache_memory_bytes: int = 0, gpu_memory_utilization: float = 0.9,
-                 int8_small_batch: bool = False, batch_invariant: bool = False) -> None:
+                 int8_small_batch: bool = False, batch_invariant: bool = False,
+                 cpu_decode_kernel: bool = True) -> None:
         config = json.loads((model_dir / "config.json").read_text())
         self.shape = model_shape(config)
         self.device = device
@@ -177,6 +179,10 @@ class ModelRunner:
         else:
             self.kv_cache = PagedKVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype,
                                          device)
+            if (cpu_decode_kernel and not batch_invariant and device.type == "cpu" and dtype == torch.bfloat16
+                    and s.head_dim % 32 == 0 and s.head_dim <= 128 and s.num_heads // s.num_kv_heads <= 16):
+                kernels = paged_decode_attention_module()
+                self.kv_cache.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
         logger.info("model %s on %s/%s, KV cache %d blocks x %d tokens = %.1f MiB", model_dir.name, device,
                     dtype, num_blocks, block_size, self.kv_cache.num_bytes / 2**20)
 

@@ -1,0 +1,158 @@
+"""The compiled paged decode attention (model_worker/kernels) against the torch-ops path.
+
+Skipped where it cannot be built: a CPU without AVX512-BF16, no compiler or ninja. The model
+then runs the torch-ops path, which the rest of the suite covers.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from model_worker import kernels
+from model_worker.attention_metadata import AttentionMetadata
+from model_worker.kv_cache import PagedKVCache
+from model_worker.models.attention import paged_attention
+
+CPU = torch.device("cpu")
+module = kernels.paged_decode_attention_module()
+needs_kernel = pytest.mark.skipif(module is None, reason="no AVX512-BF16 build of the decode kernel here")
+
+
+def _random_step(num_heads: int, num_kv_heads: int, head_dim: int, context_lens: list[int], block_size: int,
+                 prefill: int, seed: int, sliding_window: int = 0):
+    """A cache full of random keys/values, random block tables, and one step: a prefill chunk of
+    `prefill` new tokens (0: none) then one decode token per context in context_lens."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    num_blocks = sum(-(-(c + 1) // block_size) for c in context_lens) + -(-prefill // block_size) + 3
+    kv = PagedKVCache(1, num_blocks, block_size, num_kv_heads, head_dim, torch.bfloat16, CPU)
+    kv.key.copy_(torch.randn(kv.key.shape, generator=gen))
+    kv.value.copy_(torch.randn(kv.value.shape, generator=gen))
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+
+    def table(length: int) -> list[int]:
+        return [free.pop() for _ in range(-(-length // block_size))]
+
+    prefills = [(table(prefill), 0, prefill)] if prefill else []
+    decodes = [(table(c + 1), c) for c in context_lens]
+    meta = AttentionMetadata.build(prefills, decodes, block_size, CPU, sliding_window)
+    num_tokens = prefill + len(context_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).bfloat16()
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).bfloat16()
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).bfloat16()
+    kv.write(0, meta.slot_mapping, k, v)
+    return q, k, v, meta, kv
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (32, 8, 128), (16, 1, 96)])
+@pytest.mark.parametrize("sliding_window", [0, 7])
+def test_kernel_matches_the_torch_ops_path(num_heads, num_kv_heads, head_dim, sliding_window):
+    if head_dim % 32:
+        pytest.skip("the runner keeps torch ops for head_dim not a multiple of 32")
+    context_lens = [0, 1, 5, 15, 16, 17, 40, 63]  # the decode token makes seq_len = context + 1
+    q, k, v, meta, kv = _random_step(num_heads, num_kv_heads, head_dim, context_lens, 16, prefill=5, seed=head_dim,
+                                     sliding_window=sliding_window)
+    scale = head_dim ** -0.5
+    reference = paged_attention(0, q, k, v, meta, kv, scale, sliding=bool(sliding_window)).float()
+    kv.decode_kernel = module.paged_decode_attention
+    got = paged_attention(0, q, k, v, meta, kv, scale, sliding=bool(sliding_window)).float()
+    # Both compute in float32 from the same bf16 inputs and round once to bf16; the sums run in
+    # a different order, so a value may land one bf16 step (2^-8 relative) away.
+    assert torch.allclose(got, reference, atol=1e-2, rtol=1e-2), (got - reference).abs().max()
+    assert torch.equal(got[:5], reference[:5])  # the prefill rows never go through the kernel
+    # A sequence that sees only its own new token returns that token's value exactly.
+    first_decode = got[5].view(num_heads, head_dim)
+    expected = v[5].float().repeat_interleave(num_heads // num_kv_heads, dim=0)
+    assert torch.equal(first_decode, expected)
+    if sliding_window:  # the window changes the answer for contexts longer than it
+        kv.decode_kernel = None
+        unwindowed = paged_attention(0, q, k, v, meta, kv, scale, sliding=False).float()
+        assert not torch.allclose(unwindowed[-1], reference[-1], atol=1e-2)
+
+
+@needs_kernel
+def test_kernel_refuses_bad_arguments():
+    q, k, v, meta, kv = _random_step(4, 2, 64, [3, 9], 16, prefill=0, seed=1)
+    call = module.paged_decode_attention
+    d = meta.decode
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        call(q, kv.key[0], kv.value[0], d.block_tables, torch.tensor([0, 4]), 0, 0.125)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        call(q, kv.key[0], kv.value[0], d.block_tables, torch.tensor([4, 10_000]), 0, 0.125)
+    with pytest.raises(RuntimeError, match="bf16"):
+        call(q.float(), kv.key[0], kv.value[0], d.block_tables, d.seq_lens, 0, 0.125)
+    with pytest.raises(RuntimeError, match="block_tables"):
+        call(q, kv.key[0], kv.value[0], d.block_tables.int(), d.seq_lens, 0, 0.125)
+    with pytest.raises(RuntimeError, match="heads"):
+        call(q[:, :3], kv.key[0], kv.value[0], d.block_tables, d.seq_lens, 0, 0.125)
+
+
+def test_loader_falls_back_where_the_cpu_lacks_the_instructions(monkeypatch):
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2"})
+    assert kernels._build(kernels.PAGED_DECODE_ATTENTION_SOURCE, {"avx512f", "avx512_bf16"}) is None
+
+
+@pytest.fixture
+def head_dim_64_model_dir(tiny_model_dir, tmp_path):
+    """The tiny random Llama with 64-wide heads (the kernel's smallest), 2 layers."""
+    import json
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_runner_uses_the_kernel_for_bf16_on_cpu_only(head_dim_64_model_dir, tiny_model_dir):
+    from model_worker.model_runner import ModelRunner
+
+    def runner(model_dir, dtype, **flags):
+        return ModelRunner(model_dir, "dummy", CPU, dtype, max_num_seqs=2, max_model_len=64, **flags)
+
+    assert runner(head_dim_64_model_dir, torch.float32).kv_cache.decode_kernel is None
+    assert runner(head_dim_64_model_dir, torch.bfloat16, cpu_decode_kernel=False).kv_cache.decode_kernel is None
+    assert runner(head_dim_64_model_dir, torch.bfloat16, batch_invariant=True).kv_cache.decode_kernel is None
+    assert runner(tiny_model_dir, torch.bfloat16).kv_cache.decode_kernel is None  # head_dim 16
+    assert (runner(head_dim_64_model_dir, torch.bfloat16).kv_cache.decode_kernel is not None) == (module is not None)
+
+
+@needs_kernel
+def test_smollm2_decodes_the_same_with_and_without_the_kernel(smollm2_dir):
+    """The real model, greedy, kernel on vs off. In bf16 a one-ulp difference in one layer's
+    attention output moves the final logprobs by up to ~0.1 (the torch-ops path moves as much
+    between batch compositions: 0.12-0.14 measured on these prompts), so tokens may part at a
+    near tie; before that they must agree, with logprobs that close."""
+    from model_worker.engine import LLMEngine
+    from model_worker.model_runner import ModelRunner
+    from model_worker.sequence import SamplingParams
+
+    prompts = [[1, 504, 3458, 282], [1, 9690, 198] * 6, list(range(400, 440))]
+
+    def run(cpu_decode_kernel: bool) -> dict[int, list]:
+        runner = ModelRunner(smollm2_dir, "auto", CPU, torch.bfloat16, max_num_seqs=4, max_model_len=128,
+                             kv_cache_tokens=1024, cpu_decode_kernel=cpu_decode_kernel)
+        assert (runner.kv_cache.decode_kernel is not None) == cpu_decode_kernel
+        engine = LLMEngine(runner, [], 4, 256, 16)
+        for rid, prompt in enumerate(prompts):
+            engine.add_request(rid, prompt, SamplingParams(logprobs=True, top_logprobs=2), 24, [], True)
+        outputs: dict[int, list] = {}
+        while engine.has_work():
+            for out in engine.step():
+                outputs.setdefault(out.seq_id, []).append(out)
+        return outputs
+
+    with_kernel, without = run(True), run(False)
+    for rid in range(len(prompts)):
+        compared = 0
+        for got, ref in zip(with_kernel[rid], without[rid], strict=True):
+            if got.token_id != ref.token_id:
+                assert ref.top_logprobs[0] - ref.top_logprobs[1] < 0.3, (rid, compared, ref.top_logprobs)
+                break
+            assert abs(got.logprob - ref.logprob) < 0.2, (rid, compared, got.logprob, ref.logprob)
+            compared += 1
+        assert compared >= 4, (rid, compared)  # the first decode steps agree
