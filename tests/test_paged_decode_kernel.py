@@ -156,3 +156,7 @@ def test_smollm2_decodes_the_same_with_and_without_the_kernel(smollm2_dir):
             assert abs(got.logprob - ref.logprob) < 0.2, (rid, compared, got.logprob, ref.logprob)
             compared += 1
         assert compared >= 4, (rid, compared)  # the first decode steps agree
+
+
+def test_loader_falls_back_without_the_source(tmp_path):
+    assert kernels._build(tmp_path / "gone.cpp", set()) is None

@@ -34,6 +34,9 @@ def cpu_flags() -> set[str]:
 
 
 def _build(source: Path, required_flags: set[str]) -> ModuleType | None:
+    if not source.is_file():  # an install that left the sources out
+        logger.warning("%s is missing; using torch ops", source)
+        return None
     flags = cpu_flags()
     if not required_flags <= flags:
         logger.info("%s: this CPU lacks %s; using torch ops", source.name, sorted(required_flags - flags))
