@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.sse import sse_data
+
 # grpc.StatusCode values carried in RequestError.code, mapped to the HTTP status an OpenAI
 # client expects for the same condition.
 _GRPC_CODE_TO_HTTP = {
@@ -113,7 +115,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def error_sse_event(error: APIError) -> str:
     """The last event of a stream that failed after its headers were sent (followed by [DONE])."""
-    return f"data: {json.dumps(error.body())}\n\n"
+    return sse_data(json.dumps(error.body()))
 
 
 def install_error_handlers(app: FastAPI) -> None:

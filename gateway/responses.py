@@ -35,6 +35,7 @@ from gateway.openai_responses import (
     VllmLogprob,
 )
 from gateway.request_state import GenerationEvent, PromptLogprobs
+from gateway.sse import sse_data
 from gateway.token_rendering import TokenRenderer
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def sse_event(payload: BaseModel | dict[str, Any], with_usage: bool = True) -> s
         body = payload.model_dump_json(exclude=None if with_usage else {"usage"})
     else:
         body = json.dumps(payload)
-    return f"data: {body}\n\n"
+    return sse_data(body)
 
 
 @dataclass

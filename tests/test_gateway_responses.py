@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import openai.types as oai
 import openai.types.chat as oai_chat
 
-from gateway.errors import APIError
+from gateway.errors import APIError, error_sse_event
 from gateway.request_state import GenerationEvent
 from gateway.responses import (
     SSE_DONE,
@@ -62,6 +62,26 @@ def as_json(model: object) -> dict:
 def test_sse_framing() -> None:
     assert sse_event({"a": 1}) == 'data: {"a": 1}\n\n'
     assert SSE_DONE == "data: [DONE]\n\n"
+
+
+def test_sse_lines_survive_splitlines_readers() -> None:
+    """Model text with U+0085 / U+2028 / U+2029 (JSON leaves them raw) must not end the data
+    line for clients that split with str.splitlines, as httpx's aiter_lines does (a soak client
+    read half an event); escaped, the JSON decodes to the same text."""
+    from pydantic import BaseModel
+
+    class Text(BaseModel):
+        text: str
+
+    text = "a\u2028b\x85c\u2029d\ne\u00e9\x1c"
+    framed = {"pydantic": sse_event(Text(text=text)), "dict": sse_event({"text": text}),
+              "error": error_sse_event(APIError(400, text))}
+    for kind, event_text in framed.items():
+        # splitlines sees exactly the data line and the blank line that ends the event
+        assert event_text.splitlines() == [event_text[:-2], ""], (kind, event_text)
+        body = json.loads(event_text.removeprefix("data: "))
+        assert (body["error"]["message"] if kind == "error" else body["text"]) == text
+    assert sse_event({"text": "plain"}) == 'data: {"text": "plain"}\n\n'  # ASCII passes as is
 
 
 def test_chat_stream_chunks() -> None:
