@@ -58,7 +58,8 @@ class Config(WorkerServerOptions):
                 "(fixed-shape GEMMs, attention one query at a time); trades speed for it, Llama family only"})
     cpu_decode_kernel: bool = field(default=True, metadata={
         "help": "CPU + bfloat16 on AVX512-BF16: decode attention in a C++ kernel that reads the paged KV "
-                "cache in place (model_worker/kernels, compiled once at first start, ~20 s); off, or "
+                "cache in place (model_worker/kernels, compiled once into <cache-dir>/kernels at first start, "
+                "~20 s); off, or "
                 "where it cannot be built: torch ops"})
     seed: int = field(default=0, metadata={"help": "seed of the shared generator used by unseeded requests"})
     served_model_name: str = field(default="", metadata={"help": "model id to report; default from --model"})

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from model_worker.attention_metadata import AttentionMetadata
-from model_worker.kernels import paged_decode_attention_module
+from model_worker.kernels import DEFAULT_BUILD_ROOT, paged_decode_attention_module
 from model_worker.kv_cache import PagedKVCache, kv_bytes_per_token, num_kv_blocks
 from model_worker.models import gpt2
 from model_worker.models.gpt2 import GPT2Model, GPT2Shape
@@ -139,7 +139,7 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, block_size: int = 16, kv_cache_tokens: int = 0,
                  kv_cache_memory_bytes: int = 0, gpu_memory_utilization: float = 0.9,
                  int8_small_batch: bool = False, batch_invariant: bool = False,
-                 cpu_decode_kernel: bool = True) -> None:
+                 cpu_decode_kernel: bool = True, kernel_build_root: Path = DEFAULT_BUILD_ROOT) -> None:
         config = json.loads((model_dir / "config.json").read_text())
         self.shape = model_shape(config)
         self.device = device
@@ -181,7 +181,7 @@ class ModelRunner:
                                          device)
             if (cpu_decode_kernel and not batch_invariant and device.type == "cpu" and dtype == torch.bfloat16
                     and s.head_dim % 32 == 0 and s.head_dim <= 128 and s.num_heads // s.num_kv_heads <= 16):
-                kernels = paged_decode_attention_module()
+                kernels = paged_decode_attention_module(kernel_build_root)
                 self.kv_cache.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
         logger.info("model %s on %s/%s, KV cache %d blocks x %d tokens = %.1f MiB", model_dir.name, device,
                     dtype, num_blocks, block_size, self.kv_cache.num_bytes / 2**20)

@@ -1,17 +1,21 @@
 """CPU kernels torch does not ship, compiled from C++ at first use and cached on disk.
 
-torch.utils.cpp_extension builds each source with the host's compiler (-march=native) into
-torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), ~20 s once
-per machine and source version. Where that cannot happen (no compiler or ninja, a CPU without
-the instructions a kernel is written for), the loader returns None and the model keeps its
-torch-ops path, which computes the same thing.
+torch.utils.cpp_extension builds each source with the host's compiler (-march=native) under
+`<cache dir>/kernels` (the model worker's --cache-dir, so a mounted cache volume keeps the
+build), ~20 s once per machine and source version. Where that cannot happen (no compiler or
+ninja, a CPU without the instructions a kernel is written for, a read-only cache), the loader
+returns None and the model keeps its torch-ops path, which computes the same thing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -20,6 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 PAGED_DECODE_ATTENTION_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+DEFAULT_BUILD_ROOT = Path.home() / ".cache" / "tokenwire" / "kernels"
 
 
 def cpu_flags() -> set[str]:
@@ -33,7 +38,23 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _build(source: Path, required_flags: set[str]) -> ModuleType | None:
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An flock on `path`: the OS drops it when its process dies, unlike torch's lock file."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock is all there is
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(source: Path, required_flags: set[str], build_root: Path) -> ModuleType | None:
     if not source.is_file():  # an install that left the sources out
         logger.warning("%s is missing; using torch ops", source)
         return None
@@ -41,26 +62,44 @@ def _build(source: Path, required_flags: set[str]) -> ModuleType | None:
     if not required_flags <= flags:
         logger.info("%s: this CPU lacks %s; using torch ops", source.name, sorted(required_flags - flags))
         return None
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        logger.info("%s: no C++ compiler (%s) on PATH; using torch ops", source.name, compiler)
+        return None
     # The name carries the source, torch's version and the CPU's flags: a cache shared with a
     # machine of another CPU (a baked image, a network home) never loads a -march=native build
     # made for different instructions.
     digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + " ".join(sorted(flags)).encode())
     name = f"tokenwire_{source.stem}_{digest.hexdigest()[:12]}"
+    build_dir = build_root / name
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # no compiler or ninja, a compile error: stay on torch ops
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _exclusive(build_dir / "tokenwire.flock"):
+            # torch takes `lock` around every load, and one left by a process killed mid-build
+            # makes every later load wait on it forever. Under the flock no live loader holds
+            # it, so any found here is stale.
+            (build_dir / "lock").unlink(missing_ok=True)
+            if not (build_dir / f"{name}.so").exists():
+                logger.info("building %s in %s (once per machine and version, ~20 s)", source.name, build_dir)
+            module = load(name=name, sources=[str(source)], build_directory=str(build_dir),
+                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                          verbose=False)
+    except Exception as exc:  # no ninja, a compile error, a read-only cache: stay on torch ops
+        text = str(exc).strip()
         logger.warning("%s: could not build (%s: %s); using torch ops", source.name, type(exc).__name__,
-                       str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+                       text.splitlines()[-1] if text else "")
+        logger.debug("%s build failure in full:\n%s", source.name, text)
         return None
+    logger.info("%s: using the C++ kernel (%s)", source.name, build_dir)
+    return module
 
 
 @functools.cache
-def paged_decode_attention_module() -> ModuleType | None:
+def paged_decode_attention_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
     """The AVX512-BF16 paged decode attention (paged_decode_attention.cpp), or None."""
-    module = _build(PAGED_DECODE_ATTENTION_SOURCE, {"avx512f", "avx512_bf16"})
+    module = _build(PAGED_DECODE_ATTENTION_SOURCE, {"avx512f", "avx512_bf16"}, build_root)
     if module is not None and not module.vectorized():
         logger.warning("%s compiled without AVX512-BF16; using torch ops", PAGED_DECODE_ATTENTION_SOURCE.name)
         return None

@@ -33,9 +33,11 @@ constexpr int64_t kMaxGroup = 16;   // query heads per kv head
 constexpr int64_t kMaxChunks = 8;   // head_dim / 16, so head_dim <= 128
 
 // exp(x) for x <= 0 (scores minus their max): 2^n * e^r with |r| <= ln2/2, a degree-6
-// polynomial for e^r (relative error ~1e-7, about one float32 ulp).
+// polynomial for e^r (relative error ~1e-7, about one float32 ulp). NaN stays NaN: max_ps
+// returns its second operand when either is NaN, so x goes second, and a NaN score (a NaN or
+// inf in q or k) poisons the output as it does in torch instead of vanishing into a clamp.
 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -172,10 +174,19 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
               block_tables.size(0) == query.size(0), "block_tables must be contiguous int64 [B, max_blocks]");
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == query.size(0),
               "seq_lens must be contiguous int64 [B]");
+  TORCH_CHECK(block_tables.device().is_cpu() && seq_lens.device().is_cpu(), "CPU block_tables and seq_lens only");
+  // Every block a sequence reads must exist: a bad id would read outside the cache.
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < seq_lens.numel(); ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= block_tables.size(1) * key_cache.size(1),
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t block_size = key_cache.size(1), num_blocks = key_cache.size(0), max_blocks = block_tables.size(1);
+  for (int64_t b = 0; b < seq_lens.numel(); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size,
                 "seq_lens must be in [1, max_blocks * block_size], got ", lens[b]);
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i) {
+      const int64_t block = tables[b * max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " outside the cache's ", num_blocks, " blocks");
+    }
+  }
   at::Tensor out = at::empty({query.size(0), query.size(1), head_dim}, query.options());
 #ifdef TOKENWIRE_AVX512_BF16
   decode_attention_bf16(query, key_cache, value_cache, block_tables, seq_lens, window, scale, out);
@@ -185,6 +196,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vectorized", &vectorized, "whether this build has the AVX512-BF16 kernel");
+  // Without the GIL, as torch's own ops run: the model worker's serving thread goes on
+  // framing and sending while the engine thread is in here.
   m.def("paged_decode_attention", &paged_decode_attention,
-        "paged decode attention, bf16 caches, one query token per sequence");
+        "paged decode attention, bf16 caches, one query token per sequence",
+        py::call_guard<py::gil_scoped_release>());
 }
