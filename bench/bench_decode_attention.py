@@ -12,15 +12,13 @@ median and best step times and the ratio. Needs a CPU with AVX512-BF16 and a com
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.workload import engine_bench_args  # noqa: E402
+from bench.workload import alternate_decode_steps, engine_bench_args, step_times_row  # noqa: E402
 from model_worker.__main__ import build_engine  # noqa: E402
 from model_worker.config import Config  # noqa: E402
 from model_worker.sequence import SamplingParams  # noqa: E402
@@ -33,19 +31,11 @@ def bench_batch(engine, batch: int, prompt_len: int, steps: int, base_id: int) -
     for i in range(batch):
         prompt = [100 + (i + j) % 1000 for j in range(prompt_len)]
         engine.add_request(base_id + i, prompt, SamplingParams(), steps + 8, [], True)
-    for _ in range(4):  # prefill and the first decodes, untimed
-        engine.step()
-    times: dict[str, list[float]] = {"kernel": [], "torch": []}
-    for step in range(steps):
-        mode = "kernel" if step % 2 == 0 else "torch"
+
+    def set_mode(mode: str) -> None:
         kv.decode_kernel = kernel if mode == "kernel" else None
-        start = time.perf_counter()
-        engine.step()
-        times[mode].append(time.perf_counter() - start)
-    kv.decode_kernel = kernel
-    while engine.has_work():
-        engine.step()
-    return times
+
+    return alternate_decode_steps(engine, steps, ("kernel", "torch"), set_mode)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,11 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| batch | kernel step ms (median / best) | torch ops step ms (median / best) | torch / kernel |")
     print("|---|---|---|---|")
     for n, batch in enumerate(batches):
-        times = bench_batch(engine, batch, args.prompt_len, args.steps, base_id=n * 10_000)
-        med = {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
-        best = {mode: min(t) * 1e3 for mode, t in times.items()}
-        print(f"| {batch} | {med['kernel']:.1f} / {best['kernel']:.1f} | {med['torch']:.1f} / {best['torch']:.1f} "
-              f"| {med['torch'] / med['kernel']:.2f}x |", flush=True)
+        print(step_times_row(batch, bench_batch(engine, batch, args.prompt_len, args.steps, n * 10_000)), flush=True)
 
 
 if __name__ == "__main__":

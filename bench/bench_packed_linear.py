@@ -12,15 +12,13 @@ and the ratio; the outputs are bitwise the same either way (tests/test_linear_pa
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.workload import engine_bench_args  # noqa: E402
+from bench.workload import alternate_decode_steps, engine_bench_args, step_times_row  # noqa: E402
 from model_worker.__main__ import build_engine  # noqa: E402
 from model_worker.config import Config  # noqa: E402
 from model_worker.models.linear import Linear  # noqa: E402
@@ -43,21 +41,12 @@ def bench_batch(engine, batch: int, steps: int, base_id: int) -> dict[str, list[
             layer.weight = weight.to_dense()
     for i in range(batch):
         engine.add_request(base_id + i, list(range(100, 132)), SamplingParams(), steps + 8, [], True)
-    for _ in range(4):  # prefill and the first decodes, untimed
-        engine.step()
-    times: dict[str, list[float]] = {"packed": [], "plain": []}
-    for step in range(steps):
-        mode = "packed" if step % 2 == 0 else "plain"
+
+    def set_mode(mode: str) -> None:
         for layer, weight in zip(layers, packed, strict=True):
             layer.packed_weight = weight if mode == "packed" else None
-        start = time.perf_counter()
-        engine.step()
-        times[mode].append(time.perf_counter() - start)
-    for layer, weight in zip(layers, packed, strict=True):
-        layer.packed_weight = weight
-    while engine.has_work():
-        engine.step()
-    return times
+
+    return alternate_decode_steps(engine, steps, ("packed", "plain"), set_mode)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,11 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| batch | packed step ms (median / best) | F.linear step ms (median / best) | plain / packed |")
     print("|---|---|---|---|")
     for n, batch in enumerate(batches):
-        times = bench_batch(engine, batch, args.steps, base_id=n * 10_000)
-        med = {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
-        best = {mode: min(t) * 1e3 for mode, t in times.items()}
-        print(f"| {batch} | {med['packed']:.1f} / {best['packed']:.1f} | {med['plain']:.1f} / {best['plain']:.1f} "
-              f"| {med['plain'] / med['packed']:.2f}x |", flush=True)
+        print(step_times_row(batch, bench_batch(engine, batch, args.steps, n * 10_000)), flush=True)
 
 
 if __name__ == "__main__":

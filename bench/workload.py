@@ -7,7 +7,9 @@ side-by-side comparison hands each of them the same workload and they build the 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -131,3 +133,31 @@ def engine_bench_args(doc: str, argv: list[str] | None,
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 32])
     add_args(parser)
     return parser.parse_args(argv[:split]), argv[split + 1:]
+
+
+def alternate_decode_steps(engine, steps: int, modes: tuple[str, str],
+                           set_mode: Callable[[str], None]) -> dict[str, list[float]]:
+    """Seconds per engine step in each of two modes, switching every step so both see the same
+    machine load and nearly the same contexts; then modes[0] again and the engine run dry.
+    The requests are already added: 4 untimed steps cover their prefill and first decodes."""
+    for _ in range(4):
+        engine.step()
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for step in range(steps):
+        mode = modes[step % 2]
+        set_mode(mode)
+        start = time.perf_counter()
+        engine.step()
+        times[mode].append(time.perf_counter() - start)
+    set_mode(modes[0])
+    while engine.has_work():
+        engine.step()
+    return times
+
+
+def step_times_row(batch: int, times: dict[str, list[float]]) -> str:
+    """A markdown row: batch, each mode's median / best step ms, second mode / first mode."""
+    first, second = times
+    med = {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
+    cells = " | ".join(f"{med[mode]:.1f} / {min(t) * 1e3:.1f}" for mode, t in times.items())
+    return f"| {batch} | {cells} | {med[second] / med[first]:.2f}x |"
