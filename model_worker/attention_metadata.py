@@ -40,10 +40,10 @@ class DecodeBatch:
     start: int
     block_tables: torch.Tensor  # [B, max_blocks] long, short rows padded with block 0 (masked)
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True where position < seq_len
+    seq_lens: torch.Tensor  # [B] long, each sequence's seq_len (what a compiled kernel reads instead of mask)
     # [B, 1, 1, max_blocks * block_size] bool, also False before seq_len - window, for
     # sliding-window layers; None when no sequence is longer than the window.
     window_mask: torch.Tensor | None = None
-    seq_lens: torch.Tensor | None = None  # [B] long, each sequence's seq_len (for a compiled kernel)
 
 
 @dataclass
@@ -100,8 +100,8 @@ class AttentionMetadata:
                 start=row,
                 block_tables=torch.tensor(rows, dtype=torch.long, device=device),
                 mask=mask[:, None, None, :],
-                window_mask=window_mask,
                 seq_lens=seq_lens,
+                window_mask=window_mask,
             )
         return cls(
             positions=torch.tensor(positions, dtype=torch.long, device=device),

@@ -59,12 +59,11 @@ class Config(WorkerServerOptions):
     cpu_decode_kernel: bool = field(default=True, metadata={
         "help": "CPU + bfloat16 on AVX512-BF16: decode attention in a C++ kernel that reads the paged KV "
                 "cache in place (model_worker/kernels, compiled once into <cache-dir>/kernels at first start, "
-                "~20 s); off, or "
-                "where it cannot be built: torch ops"})
+                "~20 s); off, or where it cannot be built: torch ops"})
     seed: int = field(default=0, metadata={"help": "seed of the shared generator used by unseeded requests"})
     served_model_name: str = field(default="", metadata={"help": "model id to report; default from --model"})
     cache_dir: str = field(default_factory=_default_cache_dir, metadata={
-        "help": "where converted GGUF models are cached"})
+        "help": "where converted GGUF models and built CPU kernels are cached"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
 
     def __post_init__(self) -> None:

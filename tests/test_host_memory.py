@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ctypes.util
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 
@@ -44,10 +47,6 @@ print(os.environ["LRU_CACHE_CAPACITY"], os.environ["ONEDNN_PRIMITIVE_CACHE_CAPAC
 
 
 def _shape_sweep(env: dict[str, str]) -> tuple[str, str, float]:
-    import os
-    import subprocess
-    import sys
-
     clean = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
     done = subprocess.run([sys.executable, "-c", _SHAPE_SWEEP], env={**clean, **env}, capture_output=True,
                           text=True, timeout=120, check=True)

@@ -39,7 +39,7 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa,
         )  # [1, H, n, D]
         out[rows] = o[0].transpose(0, 1)
-    if meta.decode is not None and kv.decode_kernel is not None and meta.decode.seq_lens is not None:
+    if meta.decode is not None and kv.decode_kernel is not None:
         # Reads the cache in place through the block tables (model_worker/kernels), where the
         # torch-ops path below copies every sequence's keys and values twice first.
         d = meta.decode
