@@ -1,0 +1,207 @@
+"""EngineLoop with a scripted engine (no model): steps run on the engine thread, back to back,
+and only adds, aborts and outputs cross to the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from model_worker.engine import RequestRejected, SequenceOutput
+from model_worker.engine_loop import EngineLoop, NewRequest, OutputHandover, RequestFailure, StreamOutbox
+from model_worker.sequence import FinishReason, SamplingParams
+
+
+class ScriptedEngine:
+    """Each live request gets one token per step (token = step number) until max_tokens.
+    Touched only from the engine thread: it records every thread that calls it."""
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.live: dict[int, list[int]] = {}  # seq_id -> [tokens left, tokens made]
+        self.steps = 0
+        self.fail_next_step = False
+        self.threads: set[str] = set()
+
+    def _on_thread(self) -> None:
+        self.threads.add(threading.current_thread().name)
+
+    def add_request(self, seq_id, prompt_token_ids, sampling, max_tokens, stop_token_ids, ignore_eos,
+                    n=1, best_of=0, grammar=None):
+        self._on_thread()
+        if not prompt_token_ids:
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        self.live[seq_id] = [max_tokens, 0]
+
+    def abort_request(self, seq_id):
+        self._on_thread()
+        if self.live.pop(seq_id, None) is None:
+            return []
+        return [SequenceOutput(seq_id, None, finish_reason=FinishReason.ABORT, request_finished=True)]
+
+    def abort_outputs(self, seq_id, indexes):
+        self._on_thread()
+        return []
+
+    def has_work(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[SequenceOutput]:
+        self._on_thread()
+        self.steps += 1
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("scripted step failure")
+        if self.step_s:
+            time.sleep(self.step_s)
+        outputs = []
+        for seq_id, state in list(self.live.items()):
+            state[0] -= 1
+            state[1] += 1
+            done = state[0] == 0
+            outputs.append(SequenceOutput(seq_id, self.steps, num_output_tokens=state[1],
+                                          finish_reason=FinishReason.LENGTH if done else FinishReason.NONE,
+                                          request_finished=done))
+            if done:
+                del self.live[seq_id]
+        return outputs
+
+
+def new_request(request_id: str, max_tokens: int, prompt: list[int] | None = None) -> NewRequest:
+    return NewRequest(request_id=request_id, prompt_token_ids=[1, 2, 3] if prompt is None else prompt,
+                      sampling=SamplingParams(), max_tokens=max_tokens, stop_token_ids=[], ignore_eos=True)
+
+
+async def collect(outbox: StreamOutbox, request_ids: set[str], timeout_s: float = 10.0) -> dict[str, list]:
+    """Queue items per request until each has ended (a finished output or a failure)."""
+    items: dict[str, list] = {r: [] for r in request_ids}
+    pending = set(request_ids)
+    while pending:
+        item = await asyncio.wait_for(outbox.queue.get(), timeout_s)
+        if isinstance(item, RequestFailure):
+            items[item.request_id].append(item)
+            pending.discard(item.request_id)
+            continue
+        request_id, out = item
+        items[request_id].append(out)
+        if out.request_finished:
+            pending.discard(request_id)
+    return items
+
+
+@pytest.fixture
+async def started():
+    loops = []
+
+    def start(engine: ScriptedEngine) -> EngineLoop:
+        loop = EngineLoop(engine)
+        loop.start()
+        loops.append(loop)
+        return loop
+
+    yield start
+    for loop in loops:
+        await loop.stop()
+
+
+async def test_outputs_arrive_in_order_and_ended_requests_leave_live(started):
+    engine = ScriptedEngine()
+    loop = started(engine)
+    outbox = StreamOutbox()
+    loop.add(outbox, new_request("a", 5))
+    loop.add(outbox, new_request("b", 3))
+    items = await collect(outbox, {"a", "b"})
+    assert [o.num_output_tokens for o in items["a"]] == [1, 2, 3, 4, 5]
+    assert [o.num_output_tokens for o in items["b"]] == [1, 2, 3]
+    assert items["a"][-1].finish_reason == FinishReason.LENGTH
+    assert not outbox.live
+    # The engine was only ever touched from the engine thread.
+    assert engine.threads and all(name.startswith("engine-step") for name in engine.threads)
+
+
+async def test_rejected_and_aborted_requests_end_once(started):
+    engine = ScriptedEngine(step_s=0.002)
+    loop = started(engine)
+    outbox = StreamOutbox()
+    loop.add(outbox, new_request("empty", 4, prompt=[]))
+    loop.add(outbox, new_request("long", 10_000))
+    loop.add(outbox, new_request("gone", 10_000))
+    loop.abort(outbox, "gone")  # aborted before the engine thread has even added it
+    first = await collect(outbox, {"empty", "gone"})
+    [failure] = first["empty"]
+    assert failure.code == grpc.StatusCode.INVALID_ARGUMENT and "empty" in failure.message
+    assert first["gone"][-1].finish_reason == FinishReason.ABORT
+    loop.abort(outbox, "long")
+    rest = await collect(outbox, {"long"})
+    assert rest["long"][-1].finish_reason == FinishReason.ABORT
+    assert not outbox.live
+    loop.abort(outbox, "long")  # already ended: nothing more comes
+    await asyncio.sleep(0.05)
+    assert outbox.queue.empty()
+
+
+async def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(started):
+    engine = ScriptedEngine()
+    loop = started(engine)
+    outbox = StreamOutbox()
+    engine.fail_next_step = True
+    loop.add(outbox, new_request("doomed", 50))
+    [failure] = (await collect(outbox, {"doomed"}))["doomed"]
+    assert failure.code == grpc.StatusCode.INTERNAL
+    assert not outbox.live
+    loop.add(outbox, new_request("after", 2))
+    after = await collect(outbox, {"after"})
+    assert after["after"][-1].finish_reason == FinishReason.LENGTH
+
+
+async def test_steps_do_not_wait_for_the_event_loop(started):
+    """While the event loop is busy (here: blocked for 0.3 s), the engine thread keeps stepping;
+    when each step needed the event loop to start it, no step ran in such a stretch."""
+    engine = ScriptedEngine(step_s=0.001)
+    loop = started(engine)
+    outbox = StreamOutbox()
+    loop.add(outbox, new_request("long", 100_000))
+    await collect_first(outbox)
+    steps_before = engine.steps
+    time.sleep(0.3)  # blocks the event loop, not the engine thread
+    steps_during = engine.steps - steps_before
+    assert steps_during >= 20, steps_during
+    loop.abort(outbox, "long")
+    items = await collect(outbox, {"long"})
+    # Every step's token arrived, in order, after the event loop was free again.
+    tokens = [o.token_id for o in items["long"] if o.token_id is not None]
+    assert tokens == sorted(tokens) and len(tokens) >= steps_during
+
+
+async def collect_first(outbox: StreamOutbox) -> None:
+    await asyncio.wait_for(outbox.queue.get(), 10)
+
+
+async def test_stop_hands_over_the_last_outputs_and_ends_the_threads():
+    engine = ScriptedEngine(step_s=0.001)
+    loop = EngineLoop(engine)
+    loop.start()
+    outbox = StreamOutbox()
+    loop.add(outbox, new_request("a", 10_000))
+    await collect_first(outbox)
+    await asyncio.wait_for(loop.stop(), 10)
+    made = engine.steps
+    delivered = 1
+    while not outbox.queue.empty():
+        outbox.queue.get_nowait()
+        delivered += 1
+    assert delivered == made  # every step that ran reached the outbox before stop() returned
+    assert not any(t.name == "engine-outputs" for t in threading.enumerate())
+
+
+async def test_handover_keeps_order_across_many_batches():
+    received: list[int] = []
+    handover = OutputHandover(asyncio.get_running_loop(), received.extend)
+    for start in range(0, 5000, 10):
+        handover.put(list(range(start, start + 10)))
+    await asyncio.to_thread(handover.close)
+    await asyncio.sleep(0)
+    assert received == list(range(5000))
