@@ -185,14 +185,17 @@ class FakeServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.bodies: list[dict] = []
+        self.first_use: dict[int, str] = {}  # client port -> path of the first request on that connection
         self.app = FastAPI()
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/completions")(self.completions)
 
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> dict:
+        self.first_use.setdefault(request.client.port, "models")
         return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
 
     async def completions(self, request: Request):
+        self.first_use.setdefault(request.client.port, "completions")
         body = await request.json()
         self.bodies.append(body)
         if body["model"] != "fake-model":
@@ -278,6 +281,10 @@ def test_loadgen_sweep_counts_multi_token_chunks_exactly(serve):
         assert 1.0 < s.itl_ms["p50"] < 200
         assert s.ttft_ms["p50"] > 4.0
         assert s.tpot_ms["mean"] is not None and s.output_throughput > 0
+    # Each level found its connections open (GET /models): no timed request opened one; only
+    # the warm-up before them did.
+    assert list(fake.first_use.values()).count("completions") <= 1
+    assert len(fake.first_use) >= 4
 
 
 def test_loadgen_without_per_chunk_usage_guesses_and_checks_the_total(serve):
