@@ -5,6 +5,10 @@ FROM python:3.11-slim
 ARG TORCH_SPEC="torch==2.13.0"
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TOKENWIRE_MODEL_WORKER_CACHE_DIR=/cache
 WORKDIR /app
+# g++: the model worker builds its CPU decode-attention kernel (model_worker/kernels) at first
+# start for the host's own CPU (-march=native), into /cache/kernels; without a compiler it logs
+# why and runs torch ops instead, 1.1x slower per decode step on SmolLM2.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install ${TORCH_SPEC}
 COPY pyproject.toml README.md ./
 COPY proto ./proto
