@@ -318,7 +318,9 @@ class LLMEngine:
         return outputs
 
     def _append_tokens(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[SequenceOutput]:
-        # One device->host copy per tensor for the whole batch, not one per sequence.
+        # One device->host copy per tensor for the whole batch, not one per sequence, and one
+        # host sync for all of them (to_host).
+        sampled = sampled.to_host()
         token_ids = sampled.token_ids.tolist()
         logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         raw_logprobs = sampled.raw_logprobs.tolist() if sampled.raw_logprobs is not None else None

@@ -315,3 +315,43 @@ def test_filters_after_top_k_sort_only_the_candidates_with_the_same_result():
         full = fn(full_sort, arg) | ~torch.isfinite(narrowed)
         assert torch.equal(fast, full)
         assert (~fast).sum(-1).min() >= 1
+
+
+# ---------------------------------------------------------------- sampler output to the host
+
+
+def _sampler_output(device: str):
+    from model_worker.sampling.sampler import SamplerOutput
+    return SamplerOutput(
+        token_ids=torch.tensor([3, 1, 4], device=device),
+        logprobs=torch.tensor([-0.5, -1.0, -2.0], device=device),
+        raw_logprobs=torch.tensor([-0.25, -1.5, -2.5], device=device),
+        top_token_ids=torch.tensor([[3, 2], [1, 0], [4, 5]], device=device),
+        top_logprobs=torch.tensor([[-0.5, -1.0], [-1.0, -2.0], [-2.0, -3.0]], device=device),
+    )
+
+
+def test_sampler_output_on_the_cpu_goes_to_the_host_as_it_is():
+    out = _sampler_output("cpu")
+    assert out.to_host() is out
+
+
+@pytest.mark.gpu
+def test_sampler_output_reaches_the_host_with_one_sync():
+    """Five tensors, one wait: a .tolist() of each device tensor would sync five times."""
+    import warnings
+    out = _sampler_output("cuda")
+    expected = _sampler_output("cpu")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            host = out.to_host()
+            lists = [t.tolist() for t in (host.token_ids, host.logprobs, host.raw_logprobs, host.top_token_ids,
+                                          host.top_logprobs)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 1, [str(w.message) for w in syncs]
+    assert lists == [t.tolist() for t in (expected.token_ids, expected.logprobs, expected.raw_logprobs,
+                                          expected.top_token_ids, expected.top_logprobs)]

@@ -128,11 +128,12 @@ class SamplingBatch:
             for name in names:
                 # top_p keeps float64 values: 1 - p is then rounded as transformers rounds it.
                 dtype = {"top_k": torch.long, "top_p": torch.float64}.get(name, torch.float32)
-                on = row_params([_step_values(p, name, vocab_size) if p.sampler_order == order and not p.greedy
-                                 else None for p in params], dtype)
+                values = [_step_values(p, name, vocab_size) if p.sampler_order == order and not p.greedy
+                          else None for p in params]
+                on = row_params(values, dtype)
                 if on is not None:
-                    if name == "top_k":
-                        on.limit = int(on.values.max())
+                    if name == "top_k":  # from the host's values: on.values.max() would sync a GPU
+                        on.limit = max(v[0] for v in values if v is not None)
                     chain.append(FilterStep(name, on))
         mirostat = row_params([[p.mirostat_tau, p.mirostat_eta] if p.mirostat == 2 and not p.greedy else None
                                for p in params])
