@@ -92,16 +92,18 @@ async def serve(config: Config) -> None:
     grammar_compiler = (GrammarCompiler.from_tokenizer_file(tokenizer_json, runner.vocab_size, eos_ids)
                         if tokenizer_json.is_file() else None)
     loop = EngineLoop(engine, grammar_compiler, engine_thread)
-    loop.start()
-    server = grpc_server.new_server()
-    model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(
-        ModelWorkerServicer(loop, build_model_info(config, model_dir, hf_config, runner, eos_ids)), server)
-    health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
-    await grpc_server.mark_serving(health, [SERVICE_NAME])
+    # Started inside the try: its thread waits for work until stop(), and a process whose
+    # startup failed after it started would otherwise never exit.
     try:
+        loop.start()
+        server = grpc_server.new_server()
+        servicer = ModelWorkerServicer(loop, build_model_info(config, model_dir, hf_config, runner, eos_ids))
+        model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(servicer, server)
+        health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
+        await grpc_server.mark_serving(health, [SERVICE_NAME])
         await grpc_server.serve_until_signal(
             server, config.address, config.drain_grace_s, config.tls, health,
-            drained=lambda: grpc_server.wait_until(lambda: not engine.has_work()))
+            drained=lambda: grpc_server.wait_until(servicer.is_drained))
     finally:
         await loop.stop()
 

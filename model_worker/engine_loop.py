@@ -65,7 +65,7 @@ class RequestFailure:
     message: str
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the servicer keeps the open ones in a set
 class StreamOutbox:
     """Per-Generate-stream state: its live requests and the outputs waiting to be framed.
     Event loop only: the engine thread hands its items over through EngineLoop._deliver."""
@@ -73,6 +73,7 @@ class StreamOutbox:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # request_id -> engine seq_id for requests of this stream that have not finished
     live: dict[str, int] = field(default_factory=dict)
+    framing: bool = False  # items taken from the queue are being framed and sent (the servicer sets it)
 
 
 # One item for an outbox, made on the engine thread: (outbox, item for its queue, seq_id of a
@@ -162,15 +163,17 @@ class EngineLoop:
         self._stopping = False
         self._deliveries: list[_Delivery] = []  # engine thread: this pass's items, not yet handed over
         self._handover: OutputHandover | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread_done: asyncio.Future | None = None
 
     def start(self) -> None:
-        event_loop = asyncio.get_running_loop()
-        self._handover = OutputHandover(event_loop, self._deliver)
-        self._thread_done = event_loop.run_in_executor(self.executor, self._run)
+        self._event_loop = asyncio.get_running_loop()
+        self._handover = OutputHandover(self._event_loop, self._deliver)
+        self._thread_done = self._event_loop.run_in_executor(self.executor, self._run)
 
     async def stop(self) -> None:
-        self._stopping = True
+        with self._lock:  # see _run: the idle check reads _stopping under the same lock
+            self._stopping = True
         self._wake.set()
         if self._thread_done is not None:
             try:
@@ -284,16 +287,26 @@ class EngineLoop:
             aborts, self._pending_aborts = self._pending_aborts, []
             output_aborts, self._pending_output_aborts = self._pending_output_aborts, []
         for outbox, seq_id, req in adds:
-            if req.use_beam_search:
-                self._add_beam_search(outbox, seq_id, req)
-                continue
             try:
+                if req.use_beam_search:
+                    self._add_beam_search(outbox, seq_id, req)
+                    continue
                 self.engine.add_request(seq_id, req.prompt_token_ids, req.sampling, req.max_tokens,
                                         req.stop_token_ids, req.ignore_eos, req.n, req.best_of,
                                         grammar=req.grammar)
                 self._owners[seq_id] = (outbox, req.request_id)
             except RequestRejected as exc:
                 self._emit(outbox, RequestFailure(req.request_id, exc.code, exc.message), (req.request_id, seq_id))
+            except Exception:  # a bug, not bad input: end this request only; the others go on
+                logger.exception("adding request %s failed", req.request_id)
+                self._owners.pop(seq_id, None)
+                try:
+                    self.engine.abort_request(seq_id)  # in case it got half in
+                except Exception:
+                    logger.exception("aborting request %s after its failed add", req.request_id)
+                self._emit(outbox, RequestFailure(req.request_id, grpc.StatusCode.INTERNAL,
+                                                  "adding the request failed; see the model worker's log"),
+                           (req.request_id, seq_id))
         for seq_id in aborts:
             owner = self._owners.pop(seq_id, None)
             if owner is None:  # already finished, or aborted twice
@@ -384,10 +397,12 @@ class EngineLoop:
             self._flush()
             if not self.engine.has_work():
                 with self._lock:
-                    if self._pending_adds or self._pending_aborts or self._pending_output_aborts:
+                    if self._stopping or self._pending_adds or self._pending_aborts or self._pending_output_aborts:
                         continue
-                    self._wake.clear()  # under the lock: a later _queue_pending sets it again
-                self._wake.wait()
+                    self._wake.clear()  # under the lock: a later _queue_pending or stop() sets it again
+                while not self._wake.wait(1.0):
+                    if self._event_loop.is_closed():  # its owner ended without stop(): let the process exit
+                        return
 
     def _fail_all(self, message: str) -> None:
         for seq_id, (outbox, request_id) in list(self._owners.items()):

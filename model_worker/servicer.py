@@ -156,6 +156,14 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
     def __init__(self, loop: EngineLoop, model_info: pb.ModelInfo) -> None:
         self.loop = loop
         self.model_info = model_info
+        self._streams: set[StreamOutbox] = set()  # of the open Generate calls
+
+    def is_drained(self) -> bool:
+        """Nothing left to send: no request of any open stream is live, and no output of one
+        waits in its queue or is being framed. The engine having no work is not enough: its last
+        outputs still cross to the event loop and into a frame after the step that ended them."""
+        return not self.loop.engine.has_work() and all(
+            not outbox.live and outbox.queue.empty() and not outbox.framing for outbox in self._streams)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.model_info
@@ -178,11 +186,13 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
 
     async def Generate(self, request_iterator, context) -> AsyncIterator[pb.TokenFrame]:
         outbox = StreamOutbox()
+        self._streams.add(outbox)
         reader = asyncio.create_task(self._read_requests(request_iterator, outbox))
         input_closed = False
         try:
             while not (input_closed and not outbox.live and outbox.queue.empty()):
                 items = [await outbox.queue.get()]
+                outbox.framing = True
                 # Coalesce everything already waiting: under load one frame carries several
                 # steps of every request, so frames per second stay bounded.
                 while not outbox.queue.empty():
@@ -192,8 +202,10 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                     input_closed = True
                     items = [i for i in items if i is not _STREAM_CLOSED]
                 if items:
-                    yield build_frame(items)
+                    yield build_frame(items)  # resumes once gRPC has taken the frame
+                outbox.framing = False
         finally:
+            self._streams.discard(outbox)
             # Cancelled or finished: anything still live would otherwise run for nobody.
             self.loop.abort_all(outbox)
             reader.cancel()

@@ -4,8 +4,12 @@ and only adds, aborts and outputs cross to the event loop."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import Future
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,6 +17,12 @@ import pytest
 from model_worker.engine import RequestRejected, SequenceOutput
 from model_worker.engine_loop import EngineLoop, NewRequest, OutputHandover, RequestFailure, StreamOutbox
 from model_worker.sequence import FinishReason, SamplingParams
+from model_worker.servicer import ModelWorkerServicer
+from model_worker.structured_output import Constraint
+from tokenwire.v1 import model_worker_pb2 as pb
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUG_PROMPT = 666
 
 
 class ScriptedEngine:
@@ -34,6 +44,8 @@ class ScriptedEngine:
         self._on_thread()
         if not prompt_token_ids:
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        if prompt_token_ids == [BUG_PROMPT]:  # a bug in the engine, not bad input
+            raise ValueError("scripted add failure")
         self.live[seq_id] = [max_tokens, 0]
 
     def abort_request(self, seq_id):
@@ -205,3 +217,105 @@ async def test_handover_keeps_order_across_many_batches():
     await asyncio.to_thread(handover.close)
     await asyncio.sleep(0)
     assert received == list(range(5000))
+
+
+async def test_an_add_that_fails_with_a_bug_ends_that_request_only(started):
+    engine = ScriptedEngine(step_s=0.001)
+    loop = started(engine)
+    outbox = StreamOutbox()
+    loop.add(outbox, new_request("running", 30))
+    await collect_first(outbox)
+    loop.add(outbox, new_request("buggy", 5, prompt=[BUG_PROMPT]))
+    loop.add(outbox, new_request("after", 3))  # same pass as the failing add
+    items = await collect(outbox, {"running", "buggy", "after"})
+    [failure] = items["buggy"]
+    assert failure.code == grpc.StatusCode.INTERNAL
+    assert items["after"][-1].finish_reason == FinishReason.LENGTH
+    assert items["running"][-1].finish_reason == FinishReason.LENGTH  # not failed with it
+    assert not outbox.live
+
+
+async def test_stop_during_the_step_that_empties_the_engine_returns():
+    """stop() lands while the last request's last step runs: the thread must not go to sleep
+    waiting for work after it."""
+    engine = ScriptedEngine(step_s=0.3)
+    loop = EngineLoop(engine)
+    loop.start()
+    outbox = StreamOutbox()
+    loop.add(outbox, new_request("last", 1))
+    while engine.steps == 0:
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(loop.stop(), 5)
+    [out] = (await collect(outbox, {"last"}))["last"]
+    assert out.finish_reason == FinishReason.LENGTH
+
+
+class ControlledCompiler:
+    """Grammar compiles that finish when the test says."""
+
+    def __init__(self) -> None:
+        self.futures: list[Future] = []
+
+    def submit(self, constraint) -> Future:
+        self.futures.append(Future())
+        return self.futures[-1]
+
+
+async def test_abort_while_compiling_ends_once_and_never_runs():
+    engine = ScriptedEngine(step_s=0.001)
+    compiler = ControlledCompiler()
+    loop = EngineLoop(engine, compiler)
+    loop.start()
+    try:
+        outbox = StreamOutbox()
+        request = new_request("constrained", 10_000)
+        request.constraint = Constraint("regex", "a+")
+        loop.add(outbox, request)
+        loop.abort(outbox, "constrained")
+        compiler.futures[0].set_result(object())  # the compile finishes after the abort
+        [out] = (await collect(outbox, {"constrained"}))["constrained"]
+        assert out.finish_reason == FinishReason.ABORT
+        await asyncio.sleep(0.05)
+        assert outbox.queue.empty() and not outbox.live
+        assert engine.steps == 0 and not engine.live  # it never reached the engine
+    finally:
+        await loop.stop()
+
+
+def test_drained_only_once_the_last_output_is_framed():
+    """The engine can be out of work while its last outputs still cross to a stream."""
+    engine = ScriptedEngine()
+    servicer = ModelWorkerServicer(EngineLoop(engine), pb.ModelInfo())
+    assert servicer.is_drained()
+    outbox = StreamOutbox()
+    servicer._streams.add(outbox)
+    outbox.live["r"] = 0
+    assert not servicer.is_drained()  # running, or its end not handed over yet
+    del outbox.live["r"]
+    outbox.queue.put_nowait(("r", SequenceOutput(0, 7, request_finished=True)))
+    assert not servicer.is_drained()  # its end waits in the queue
+    outbox.queue.get_nowait()
+    outbox.framing = True
+    assert not servicer.is_drained()  # being framed and sent
+    outbox.framing = False
+    assert servicer.is_drained()
+    engine.live[1] = [1, 0]
+    assert not servicer.is_drained()  # the engine still has work (say, a closed stream's abort)
+
+
+def test_a_process_that_never_calls_stop_still_exits():
+    """A startup error after start() must not leave the engine thread holding the process."""
+    script = (
+        "import asyncio\n"
+        "from tests.test_engine_loop import ScriptedEngine\n"
+        "from model_worker.engine_loop import EngineLoop\n"
+        "async def main():\n"
+        "    EngineLoop(ScriptedEngine()).start()\n"
+        "    raise RuntimeError('startup failed')\n"
+        "try:\n"
+        "    asyncio.run(main())\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, timeout=30, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
