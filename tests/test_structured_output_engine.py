@@ -4,7 +4,6 @@ engine loop refuses a constraint that does not compile with INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
@@ -18,6 +17,7 @@ from model_worker.engine_loop import EngineLoop, NewRequest, RequestFailure, Str
 from model_worker.model_runner import ModelRunner
 from model_worker.sequence import FinishReason, SamplerOrder, SamplingParams
 from model_worker.structured_output import Constraint, GrammarCompiler
+from tests.test_engine_loop import collect
 
 CPU = torch.device("cpu")
 EOS = 2
@@ -145,23 +145,6 @@ def test_sampler_noise_never_overrides_a_mask():
     assert torch.isfinite(gumbel_noise(keys, columns)).all()
 
 
-async def drain(outbox: StreamOutbox, request_ids: set[str]) -> dict[str, list]:
-    """Outbox items per request until each of request_ids has ended (failure or last output)."""
-    items: dict[str, list] = {r: [] for r in request_ids}
-    pending = set(request_ids)
-    while pending:
-        item = await asyncio.wait_for(outbox.queue.get(), timeout=60)
-        if isinstance(item, RequestFailure):
-            items[item.request_id].append(item)
-            pending.discard(item.request_id)
-            continue
-        request_id, out = item
-        items[request_id].append(out)
-        if out.request_finished:
-            pending.discard(request_id)
-    return items
-
-
 async def test_engine_loop_compiles_off_the_step_and_refuses_bad_constraints(runner, compiler, smollm2):
     loop = EngineLoop(new_engine(runner), compiler)
     loop.start()
@@ -176,7 +159,7 @@ async def test_engine_loop_compiles_off_the_step_and_refuses_bad_constraints(run
         loop.add(outbox, request("bad", Constraint("json_schema", '{"type": "array", "uniqueItems": true}')))
         loop.add(outbox, request("good", Constraint("json_schema", json.dumps(SCHEMA))))
         loop.add(outbox, request("free", None))
-        items = await drain(outbox, {"bad", "good", "free"})
+        items = await collect(outbox, {"bad", "good", "free"}, timeout_s=60)
         [failure] = items["bad"]
         assert isinstance(failure, RequestFailure)
         assert failure.code == grpc.StatusCode.INVALID_ARGUMENT
