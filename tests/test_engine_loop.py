@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from model_worker import engine_loop
 from model_worker.engine import RequestRejected, SequenceOutput
 from model_worker.engine_loop import EngineLoop, NewRequest, OutputHandover, RequestFailure, StreamOutbox
 from model_worker.sequence import FinishReason, SamplingParams
@@ -319,3 +320,24 @@ def test_a_process_that_never_calls_stop_still_exits():
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, timeout=30, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+async def test_a_first_token_is_sent_before_the_next_step_starts(started, monkeypatch):
+    """A pass that gives some request its first token waits until the event loop has taken it
+    (and the Generate task it wakes has framed and sent it) before stepping on."""
+    monkeypatch.setattr(engine_loop, "FIRST_TOKEN_HANDOFF_S", 30.0)  # no timeout within the test
+    engine = ScriptedEngine()  # steps take microseconds: without the wait, many would run first
+    loop = started(engine)
+    steps_when_queued: list[int] = []
+
+    class RecordingQueue(asyncio.Queue):
+        def put_nowait(self, item) -> None:
+            steps_when_queued.append(engine.steps)
+            super().put_nowait(item)
+
+    outbox = StreamOutbox(queue=RecordingQueue())
+    loop.add(outbox, new_request("a", 300))
+    items = await collect(outbox, {"a"})
+    assert [o.num_output_tokens for o in items["a"]] == list(range(1, 301))
+    assert steps_when_queued[0] == 1  # the first token reached the event loop before step 2 ran
+    # (that later passes do not wait: test_steps_do_not_wait_for_the_event_loop)
