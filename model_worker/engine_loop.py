@@ -1,7 +1,7 @@
 """Drives the engine on its own thread, steps back to back: adds and aborts from every Generate
 stream are queued by the event loop and applied by the engine thread between steps, so no engine
 state needs a lock, and each step's outputs go back to the event loop without the next step
-waiting for it.
+waiting for it (except, briefly, a step that gave some request its first token: see _flush).
 
 Sits between the servicer (which owns gRPC streams) and the synchronous LLMEngine.
 
