@@ -9,9 +9,11 @@ from pathlib import Path
 from model_worker.model_files import DEFAULT_MODEL
 from tokenwire.grpc_tls import WorkerServerOptions
 
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenwire"
+
 
 def _default_cache_dir() -> str:
-    return str(Path.home() / ".cache" / "tokenwire")
+    return str(DEFAULT_CACHE_DIR)
 
 
 @dataclass

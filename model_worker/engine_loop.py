@@ -85,7 +85,7 @@ FIRST_TOKEN_HANDOFF_S = 0.005
 # request that ended with it, or None). The event loop drops an ended request from outbox.live
 # when it queues the item, so `live` and the queue never disagree on the event loop.
 # (None, threading.Event, None) is the marker a first-token pass ends with (see EngineLoop._flush).
-_Delivery = tuple[StreamOutbox, object, "tuple[str, int] | None"]
+_Delivery = tuple["StreamOutbox | None", object, "tuple[str, int] | None"]
 
 
 def new_engine_thread() -> ThreadPoolExecutor:

@@ -17,7 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from model_worker.attention_metadata import AttentionMetadata
-from model_worker.kernels import DEFAULT_BUILD_ROOT, paged_decode_attention_module
+from model_worker.kernels import (
+    DEFAULT_BUILD_ROOT,
+    paged_decode_attention_fits,
+    paged_decode_attention_module,
+)
 from model_worker.kv_cache import PagedKVCache, kv_bytes_per_token, num_kv_blocks
 from model_worker.models import gpt2
 from model_worker.models.gpt2 import GPT2Model, GPT2Shape
@@ -180,7 +184,7 @@ class ModelRunner:
             self.kv_cache = PagedKVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype,
                                          device)
             if (cpu_decode_kernel and not batch_invariant and device.type == "cpu" and dtype == torch.bfloat16
-                    and s.head_dim % 32 == 0 and s.head_dim <= 128 and s.num_heads // s.num_kv_heads <= 16):
+                    and paged_decode_attention_fits(s.head_dim, s.num_heads // s.num_kv_heads)):
                 kernels = paged_decode_attention_module(kernel_build_root)
                 self.kv_cache.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
         logger.info("model %s on %s/%s, KV cache %d blocks x %d tokens = %.1f MiB", model_dir.name, device,

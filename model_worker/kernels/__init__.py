@@ -21,10 +21,12 @@ from types import ModuleType
 
 import torch
 
+from model_worker.config import DEFAULT_CACHE_DIR
+
 logger = logging.getLogger(__name__)
 
 PAGED_DECODE_ATTENTION_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
-DEFAULT_BUILD_ROOT = Path.home() / ".cache" / "tokenwire" / "kernels"
+DEFAULT_BUILD_ROOT = DEFAULT_CACHE_DIR / "kernels"  # the model worker's default --cache-dir
 
 
 def cpu_flags() -> set[str]:
@@ -94,6 +96,11 @@ def _build(source: Path, required_flags: set[str], build_root: Path) -> ModuleTy
         return None
     logger.info("%s: using the C++ kernel (%s)", source.name, build_dir)
     return module
+
+
+def paged_decode_attention_fits(head_dim: int, query_heads_per_kv_head: int) -> bool:
+    """Shapes paged_decode_attention.cpp takes (it refuses others with an error)."""
+    return head_dim % 32 == 0 and head_dim <= 128 and query_heads_per_kv_head <= 16
 
 
 @functools.cache

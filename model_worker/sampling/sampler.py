@@ -44,10 +44,9 @@ class SamplerOutput:
         a .tolist() per tensor would wait once each (up to five per step). CPU tensors come back
         as they are."""
         fields = (self.token_ids, self.logprobs, self.raw_logprobs, self.top_token_ids, self.top_logprobs)
-        on_device = [t for t in fields if t is not None and t.device.type != "cpu"]
-        if not on_device:
+        device = self.token_ids.device  # the sampler makes them all on one device
+        if device.type == "cpu":
             return self
-        device = on_device[0].device
         overlap = device.type == "cuda"  # other backends: plain blocking copies, still correct
         host = [None if t is None else t.to("cpu", non_blocking=overlap) for t in fields]
         if overlap:
