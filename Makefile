@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tokenwire-installed
 PYTEST_ARGS ?=
 
-.PHONY: install proto serve test test-fast lint bench bench-install bench-peers bench-loadgen bench-side-by-side clean
+.PHONY: install proto serve test test-fast lint bench bench-install bench-peers bench-loadgen bench-side-by-side bench-ttft clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,10 @@ bench-loadgen: proto $(BENCH_STAMP)
 # is skipped with a note unless `make bench-peers` built its venv.
 bench-side-by-side: proto $(BENCH_STAMP)
 	$(PY) -m bench.side_by_side --llama-cpp-python $(LLAMA_CPP_PYTHON) $(BENCH_ARGS)
+
+# TTFT the gateway and detok add: alternating requests over HTTP and straight to the model worker
+bench-ttft: proto $(BENCH_STAMP)
+	$(PY) -m bench.ttft_added $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) tokenwire/v1/*_pb2*.py tokenwire/v1/*_pb2*.pyi

@@ -1,0 +1,54 @@
+"""bench/ttft_added.py: the summary's arithmetic, and a short run against the stack on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from bench.prompts import make_prompts
+from bench.ttft_added import GenerateClient, TTFTAdded, measure
+from tests.conftest import tiny_stack
+
+
+def test_summary_gives_each_paths_percentiles_and_what_http_adds():
+    result = TTFTAdded(http=[0.030, 0.034, 0.050], grpc=[0.027, 0.029, 0.031])
+    summary = result.summary()
+    assert summary["requests_per_path"] == 3
+    assert summary["http_p50_ms"] == pytest.approx(34.0)
+    assert summary["grpc_p50_ms"] == pytest.approx(29.0)
+    assert summary["added_p50_ms"] == pytest.approx(5.0)
+    # Paired differences 3, 5 and 19 ms: their median, not the difference of medians.
+    assert summary["added_paired_p50_ms"] == pytest.approx(5.0)
+    assert summary["http_p90_ms"] == pytest.approx(50.0)
+    assert summary["grpc_p90_ms"] == pytest.approx(31.0)
+
+
+def test_summary_pairs_request_by_request():
+    result = TTFTAdded(http=[0.010, 0.040], grpc=[0.009, 0.020])
+    assert result.summary()["added_paired_p50_ms"] == pytest.approx(10.5)  # median of 1 and 20 ms
+    with pytest.raises(ValueError):
+        TTFTAdded(http=[0.01], grpc=[]).summary()
+
+
+@pytest.mark.slow
+def test_measure_through_the_gateway_and_straight_to_the_model_worker(tiny_model_dir: Path, smollm2):
+    prompts = make_prompts(smollm2, 8, 8, seed=3)
+    with tiny_stack(tiny_model_dir, 64) as stack:
+        result = asyncio.run(measure(f"{stack.gateway_url}/v1", stack.model_worker_address, prompts,
+                                     max_tokens=3, gap_s=0.0, warmup=1))
+        assert len(result.http) == len(result.grpc) == 3  # 4 pairs, the first one warm-up
+        for ttft in result.http + result.grpc:
+            assert 0 < ttft < 30
+
+        async def too_long() -> None:
+            client = GenerateClient(stack.model_worker_address)
+            try:
+                await client.ttft("too-long", list(range(100, 200)), 3)  # 100 tokens > max_model_len 64
+            finally:
+                await client.close()
+
+        # A refused request fails the run with the model worker's reason instead of hanging it.
+        with pytest.raises(RuntimeError, match="too-long failed"):
+            asyncio.run(too_long())
