@@ -130,8 +130,10 @@ def create_app(config: Config) -> FastAPI:
         for prompt in body.prompts():
             ids = tokenizer.encode_text(prompt) if isinstance(prompt, str) else prompt
             check_token_ids(ids, pipeline.model_info.vocab_size)
-            # Echo shows a text prompt as sent, and token ids as the tokenizer reads them.
-            echoes.append(PromptEcho(prompt if isinstance(prompt, str) else tokenizer.decode(ids), ids))
+            # Echo shows a text prompt as sent, and token ids as the tokenizer reads them; the
+            # decode is skipped when nothing echoes.
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(ids) if body.echo else ""
+            echoes.append(PromptEcho(text, ids))
         params = generation_params(body, tokenizer.encode_words)
         check_params_vocab(params, pipeline.model_info.vocab_size)
         responder = CompletionResponder(body.model, renderer_of(pipeline), body.logprobs is not None, echoes,

@@ -223,6 +223,14 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI, model: str) -> None:
     assert completion_texts(chunks)[0] == full.choices[0].text
 
 
+def test_echo_of_token_ids_shows_them_as_the_tokenizer_reads_them(client: openai.OpenAI, model: str, smollm2) -> None:
+    ids = smollm2.encode(PROMPT).ids
+    plain, _ = complete(client, model, prompt=ids, max_tokens=3, temperature=0)
+    full, chunks = complete(client, model, prompt=ids, max_tokens=3, temperature=0, echo=True)
+    assert full.choices[0].text == smollm2.decode(ids) + plain.choices[0].text
+    assert completion_texts(chunks)[0] == full.choices[0].text
+
+
 def test_echo_with_logprobs_covers_prompt_tokens(client: openai.OpenAI, model: str) -> None:
     full, _ = complete(client, model, max_tokens=2, temperature=0, echo=True, logprobs=1)
     lp = full.choices[0].logprobs
