@@ -31,12 +31,10 @@ import grpc
 
 from bench.openai_stream import RequestSpec, client_session, stream_request
 from bench.prompts import Prompt, load_tokenizer, make_prompts
-from model_worker.model_files import resolve_model_dir
+from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir
 from tokenwire.grpc_server import CHANNEL_OPTIONS
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc as pb_grpc
-
-DEFAULT_MODEL = "default"
 
 
 @dataclass
@@ -161,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.base_url) != bool(args.model_worker):
         parser.error("--base-url and --model-worker go together")
+    if args.requests < 1 or args.warmup < 0 or args.output_tokens < 1:
+        parser.error("--requests and --output-tokens must be at least 1, --warmup at least 0")
 
     model_dir = resolve_model_dir(DEFAULT_MODEL, Path.home() / ".cache" / "tokenwire")
     prompts = make_prompts(load_tokenizer(model_dir), 2 * (args.requests + args.warmup), args.prompt_len, seed=7)
