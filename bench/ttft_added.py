@@ -31,6 +31,7 @@ import grpc
 
 from bench.openai_stream import RequestSpec, client_session, stream_request
 from bench.prompts import Prompt, load_tokenizer, make_prompts
+from model_worker.config import DEFAULT_CACHE_DIR
 from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir
 from tokenwire.grpc_server import CHANNEL_OPTIONS
 from tokenwire.v1 import model_worker_pb2 as pb
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests < 1 or args.warmup < 0 or args.output_tokens < 1:
         parser.error("--requests and --output-tokens must be at least 1, --warmup at least 0")
 
-    model_dir = resolve_model_dir(DEFAULT_MODEL, Path.home() / ".cache" / "tokenwire")
+    model_dir = resolve_model_dir(DEFAULT_MODEL, DEFAULT_CACHE_DIR)
     prompts = make_prompts(load_tokenizer(model_dir), 2 * (args.requests + args.warmup), args.prompt_len, seed=7)
     run = dict(prompts=prompts, max_tokens=args.output_tokens, gap_s=args.gap_ms / 1e3, warmup=args.warmup)
     if args.base_url:
