@@ -69,12 +69,14 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
     hf_config = _read_json(model_dir / "config.json")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    if config.cuda_graphs and device.type != "cuda":
+        raise ValueError(f"--cuda-graphs needs a CUDA device; --device {config.device} resolved to {device}")
     context = hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048  # GPT-2: n_positions
     max_model_len = config.max_model_len or min(context, 2048)
     runner = ModelRunner(model_dir, config.load_format, device, dtype, config.max_num_seqs, max_model_len,
                          config.block_size, config.kv_cache_tokens, config.kv_cache_memory_bytes,
                          config.gpu_memory_utilization, config.int8_small_batch, config.batch_invariant,
-                         config.cpu_decode_kernel, Path(config.cache_dir) / "kernels")
+                         config.cpu_decode_kernel, Path(config.cache_dir) / "kernels", config.cuda_graphs)
     eos_ids = default_eos_ids(_read_json(model_dir / "generation_config.json"), hf_config)
     engine = LLMEngine(runner, eos_ids, config.max_num_seqs, config.max_num_batched_tokens,
                        config.max_waiting_requests, config.seed, config.enable_prefix_caching, config.max_best_of)

@@ -62,6 +62,10 @@ class Config(WorkerServerOptions):
         "help": "CPU + bfloat16 on AVX512-BF16: decode attention in a C++ kernel that reads the paged KV "
                 "cache in place (model_worker/kernels, compiled once into <cache-dir>/kernels at first start, "
                 "~20 s); off, or where it cannot be built: torch ops"})
+    cuda_graphs: bool = field(default=False, metadata={
+        "help": "CUDA: replay decode steps of up to --max-num-seqs sequences from captured CUDA graphs "
+                "(model_worker/cuda_graphs.py; checked against the eager forward at startup, eager if "
+                "capture fails). Off by default: not yet run on a GPU by this project"})
     seed: int = field(default=0, metadata={"help": "seed of the shared generator used by unseeded requests"})
     served_model_name: str = field(default="", metadata={"help": "model id to report; default from --model"})
     cache_dir: str = field(default_factory=_default_cache_dir, metadata={
@@ -89,6 +93,10 @@ class Config(WorkerServerOptions):
             raise ValueError("--int8-small-batch switches kernels with the step's size; it cannot be batch-invariant")
         if self.int8_small_batch and self.dtype == "float32":
             raise ValueError("--int8-small-batch needs bfloat16 weights (--dtype auto or bfloat16 on a bf16 CPU)")
+        if self.cuda_graphs and self.device == "cpu":
+            raise ValueError("--cuda-graphs needs a CUDA device, not --device cpu")
+        if self.cuda_graphs and self.batch_invariant:
+            raise ValueError("--cuda-graphs pads decode batches to captured sizes; it cannot be batch-invariant")
         self.cache_dir = os.path.expanduser(self.cache_dir)
 
     @property

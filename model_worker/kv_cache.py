@@ -58,10 +58,13 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+                 dtype: torch.dtype, device: torch.device, padding_block: bool = False) -> None:
+        # padding_block: one more block past the num_blocks the block manager hands out, where
+        # the padding rows of a CUDA graph's batch write (cuda_graphs.py); nothing reads it.
+        shape = (num_layers, num_blocks + padding_block, block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.padding_slot = num_blocks * block_size if padding_block else None
         # zeros, not empty: masked-out positions of a gathered block are multiplied by zero
         # attention weight, and NaN garbage from uninitialised memory would give 0 * NaN = NaN.
         self.key = torch.zeros(shape, dtype=dtype, device=device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from model_worker.attention_metadata import AttentionMetadata
+from model_worker.cuda_graphs import DecodeGraphRunner
 from model_worker.kernels import (
     DEFAULT_BUILD_ROOT,
     paged_decode_attention_fits,
@@ -86,19 +88,25 @@ def model_shape(config: dict) -> LlamaShape | GPT2Shape | HFShape:
     return HFShape.from_config(config)
 
 
-def dummy_weights(shape: LlamaShape | GPT2Shape, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights with the checkpoint's names and shapes (std 0.02, norms at 1)."""
+def dummy_weights(shape: LlamaShape | GPT2Shape, seed: int = 0, device: torch.device | None = None,
+                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Random weights with the checkpoint's names and shapes (std 0.02, norms at 1), made on
+    `device` in `dtype` (Llama family; GPT-2's are made on the CPU in float32)."""
     if isinstance(shape, GPT2Shape):
         return gpt2.dummy_weights(shape, seed)
-    gen = torch.Generator().manual_seed(seed)
+    device = device or torch.device("cpu")
+    gen = torch.Generator(device).manual_seed(seed)
     s = shape
 
     def rand(*dims: int) -> torch.Tensor:
-        return torch.randn(*dims, generator=gen) * 0.02
+        return torch.randn(*dims, generator=gen, device=device, dtype=dtype) * 0.02
+
+    def ones(size: int) -> torch.Tensor:
+        return torch.ones(size, device=device, dtype=dtype)
 
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     weights = {"model.embed_tokens.weight": rand(s.vocab_size, s.hidden_size),
-               "model.norm.weight": torch.ones(s.hidden_size)}
+               "model.norm.weight": ones(s.hidden_size)}
     if not s.tie_word_embeddings:
         weights["lm_head.weight"] = rand(s.vocab_size, s.hidden_size)
     for i in range(s.num_layers):
@@ -111,13 +119,13 @@ def dummy_weights(shape: LlamaShape | GPT2Shape, seed: int = 0) -> dict[str, tor
             p + "mlp.gate_proj.weight": rand(s.intermediate_size, s.hidden_size),
             p + "mlp.up_proj.weight": rand(s.intermediate_size, s.hidden_size),
             p + "mlp.down_proj.weight": rand(s.hidden_size, s.intermediate_size),
-            p + "input_layernorm.weight": torch.ones(s.hidden_size),
-            p + "post_attention_layernorm.weight": torch.ones(s.hidden_size),
+            p + "input_layernorm.weight": ones(s.hidden_size),
+            p + "post_attention_layernorm.weight": ones(s.hidden_size),
         })
         if s.attention_bias:
             weights.update({p + f"self_attn.{n}_proj.bias": rand(d) for n, d in (("q", q), ("k", kv), ("v", kv))})
         if s.qk_norm:
-            weights.update({p + f"self_attn.{n}_norm.weight": torch.ones(s.head_dim) for n in "qk"})
+            weights.update({p + f"self_attn.{n}_norm.weight": ones(s.head_dim) for n in "qk"})
     return weights
 
 
@@ -143,7 +151,8 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, block_size: int = 16, kv_cache_tokens: int = 0,
                  kv_cache_memory_bytes: int = 0, gpu_memory_utilization: float = 0.9,
                  int8_small_batch: bool = False, batch_invariant: bool = False,
-                 cpu_decode_kernel: bool = True, kernel_build_root: Path = DEFAULT_BUILD_ROOT) -> None:
+                 cpu_decode_kernel: bool = True, kernel_build_root: Path = DEFAULT_BUILD_ROOT,
+                 decode_graphs: bool = False) -> None:
         config = json.loads((model_dir / "config.json").read_text())
         self.shape = model_shape(config)
         self.device = device
@@ -168,7 +177,12 @@ class ModelRunner:
             else:
                 # Rotary tables only need the positions we will ever use.
                 s.max_position_embeddings = max(s.max_position_embeddings, max_model_len)
-            weights = dummy_weights(s) if load_format == "dummy" else load_weights(model_dir)
+            # Dummy weights on a GPU are made there in the model's dtype: an 8B model's in float32 on
+            # the host would take 32 GB and a minute of randn. On a CPU, float32 as always (the
+            # tests' seeded weights).
+            on_gpu = device.type == "cuda"
+            weights = (dummy_weights(s, device=device if on_gpu else None, dtype=dtype if on_gpu else torch.float32)
+                       if load_format == "dummy" else load_weights(model_dir))
             model_class = GPT2Model if isinstance(s, GPT2Shape) else LlamaModel
             if model_class is LlamaModel:
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant)
@@ -182,13 +196,41 @@ class ModelRunner:
             self.kv_cache = CacheBudget(num_blocks, block_size, num_blocks * block_size * bytes_per_token)
         else:
             self.kv_cache = PagedKVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype,
-                                         device)
+                                         device, padding_block=decode_graphs)
             if (cpu_decode_kernel and not batch_invariant and device.type == "cpu" and dtype == torch.bfloat16
                     and paged_decode_attention_fits(s.head_dim, s.num_heads // s.num_kv_heads)):
                 kernels = paged_decode_attention_module(kernel_build_root)
                 self.kv_cache.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
         logger.info("model %s on %s/%s, KV cache %d blocks x %d tokens = %.1f MiB", model_dir.name, device,
                     dtype, num_blocks, block_size, self.kv_cache.num_bytes / 2**20)
+        # decode_graphs: decode steps through DecodeGraphRunner, captured as CUDA graphs on a GPU
+        # (on a CPU the same padded static-shape forward runs eagerly: the tests' way in).
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if decode_graphs:
+            if isinstance(s, HFShape):
+                raise ValueError("CUDA graphs are only for natively run architectures (Llama family, GPT-2), "
+                                 f"not {s.architectures}")
+            if batch_invariant:
+                raise ValueError("CUDA graphs pad the batch to captured sizes; they cannot be batch-invariant")
+            window = s.sliding_window if isinstance(s, LlamaShape) else 0
+            self.decode_graphs = self._captured_decode_graphs(max_num_seqs, max_model_len, window)
+
+    def _captured_decode_graphs(self, max_num_seqs: int, max_model_len: int, window: int) -> DecodeGraphRunner | None:
+        graphs = DecodeGraphRunner(self.model, self.kv_cache, max_num_seqs, max_model_len, self.device, window)
+        if not graphs.capture:
+            return graphs
+        started = time.perf_counter()
+        try:
+            graphs.capture_all()
+            error = graphs.replay_matches_eager()
+        except Exception:
+            # A model op that cannot be captured must not take the worker down: it runs eagerly.
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            return None
+        logger.info("captured %d decode CUDA graphs (batch sizes %s x widths %s blocks) in %.1f s; replay vs "
+                    "eager max |logit diff| %.2g", graphs.num_graphs, graphs.batch_sizes, graphs.widths,
+                    time.perf_counter() - started, error)
+        return graphs
 
     @property
     def vocab_size(self) -> int:
@@ -203,6 +245,17 @@ class ModelRunner:
     def execute(self, scheduled: SchedulerOutput) -> StepLogits:
         if isinstance(self.model, HFCausalLM):
             return self._execute_per_sequence(self.model, scheduled)
+        if scheduled.block_copies:
+            src = torch.tensor([c.src for c in scheduled.block_copies], device=self.device)
+            dst = torch.tensor([c.dst for c in scheduled.block_copies], device=self.device)
+            self.kv_cache.copy_blocks(src, dst)
+        decodes = scheduled.decodes
+        if (self.decode_graphs is not None and decodes and not scheduled.prefills
+                and self.decode_graphs.fits(len(decodes), max(c.start for c in decodes))):
+            # A decode's chunk is its last token: every row completes its sequence, and no prompt logits.
+            logits = self.decode_graphs.run([(c.seq.block_table, c.start) for c in decodes],
+                                            [c.seq.token_ids_from(c.start, 1)[0] for c in decodes])
+            return StepLogits(logits, list(range(len(decodes))))
         input_ids: list[int] = []
         prefills: list[tuple[list[int], int, int]] = []
         decodes: list[tuple[list[int], int]] = []
@@ -219,10 +272,6 @@ class ModelRunner:
             if chunk.completes_sequence:
                 last_rows.append(row - 1)
                 chunk_indices.append(i)
-        if scheduled.block_copies:
-            src = torch.tensor([c.src for c in scheduled.block_copies], device=self.device)
-            dst = torch.tensor([c.dst for c in scheduled.block_copies], device=self.device)
-            self.kv_cache.copy_blocks(src, dst)
         window = self.shape.sliding_window if isinstance(self.shape, LlamaShape) else 0
         meta = AttentionMetadata.build(prefills, decodes, self.kv_cache.block_size, self.device, window)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)

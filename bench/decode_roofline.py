@@ -1,0 +1,232 @@
+"""Decode step time against the memory-bandwidth roofline (issue 4's GPU target: <= 1.3x at batch 1).
+
+A decode step reads every weight once and each sequence's cached keys and values; at small
+batches that traffic, not arithmetic, bounds the step, so the floor is (weight bytes + KV bytes
+read) / the device's copy bandwidth. This measures that bandwidth (a large tensor copy: bytes
+read + written per second), builds the model with dummy weights (default: a Llama-3-8B-shaped
+config in bf16, made on the device), prefills B sequences of --context tokens, and times whole
+engine decode steps (scheduler, forward, sampler, the one host sync), eager and, on CUDA,
+replayed from CUDA graphs, steps alternating on one engine.
+
+    .venv/bin/python -m bench.decode_roofline --batch-sizes 1,8 --context 512        # CUDA, Llama-3-8B shape
+    .venv/bin/python -m bench.decode_roofline --shape smollm2-135m --device cpu --batch-sizes 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from model_worker.engine import LLMEngine
+from model_worker.kv_cache import kv_bytes_per_token
+from model_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from model_worker.models.linear import Linear
+from model_worker.sequence import SamplingParams
+
+# Public config.json values of the two shapes (weights are random: nothing is downloaded).
+SHAPES = {
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+    },
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+    },
+}
+
+
+BLOCK_SIZE = 16  # the model worker's default
+STEP_TOKENS = 2048  # the model worker's default --max-num-batched-tokens
+
+
+@dataclass
+class BatchRoofline:
+    batch: int
+    mean_context: float  # cached positions per sequence, averaged over the timed steps
+    weight_bytes: int  # read once per step
+    kv_bytes: int  # keys and values the step's attention must read, at mean_context
+    roofline_ms: float  # (weight_bytes + kv_bytes) / bandwidth
+    step_ms: dict[str, float] = field(default_factory=dict)  # p50 per mode: "eager", "cuda_graphs"
+    ratio: dict[str, float] = field(default_factory=dict)  # step_ms / roofline_ms per mode
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int = 10) -> float:
+    """Bytes per second a device-to-device tensor copy moves (each byte read once and written once),
+    the best of `repeats` copies."""
+    src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            started = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - started
+        best = min(best, seconds)
+    return 2 * num_bytes / best
+
+
+def _tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of the weights one decode step reads: every layer's, the final norm's and the LM head's
+    (the embedding table only by the step's rows, left out; tied, the LM head reads it whole)."""
+    total = 0
+    for layer in model.layers:
+        for value in layer.values():
+            if isinstance(value, Linear):
+                weight = value.weight if value.weight is not None else value.packed_weight
+                total += _tensor_bytes(weight) + _tensor_bytes(value.bias)
+            elif isinstance(value, torch.Tensor):
+                total += _tensor_bytes(value)
+            elif isinstance(value, tuple):  # GPT-2's (weight, bias) norms
+                total += sum(_tensor_bytes(t) for t in value)
+    head = model.lm_head
+    total += _tensor_bytes(head.weight if head.weight is not None else head.packed_weight)
+    final_norm = getattr(model, "norm", None)
+    if final_norm is None:
+        final_norm = model.ln_f
+    total += sum(_tensor_bytes(t) for t in (final_norm if isinstance(final_norm, tuple) else (final_norm,)))
+    return total
+
+
+def time_decode_steps(runner: ModelRunner, batch: int, context: int, steps: int, warmup: int,
+                      seed: int = 0) -> tuple[dict[str, list[float]], float]:
+    """Step times (s) per mode over `steps` decode steps each, modes alternating step by step on one
+    engine after `warmup` steps of each; and the mean context length of the timed steps."""
+    graphs = runner.decode_graphs
+    modes = ["eager"] + (["cuda_graphs"] if graphs is not None and graphs.capture else [])
+    engine = LLMEngine(runner, [], max_num_seqs=batch, max_num_batched_tokens=STEP_TOKENS,
+                       max_waiting_requests=batch)
+    gen = torch.Generator().manual_seed(seed)
+    total_steps = (warmup + steps) * len(modes)
+    for i in range(batch):
+        prompt = torch.randint(100, runner.vocab_size, (context,), generator=gen).tolist()
+        # As many tokens as the context allows: the first sequences decode while the last prefill.
+        engine.add_request(i, prompt, SamplingParams(), max_tokens=runner.max_model_len - context,
+                           stop_token_ids=[], ignore_eos=True)
+    started: set[int] = set()
+    while len(started) < batch:  # prefill (untimed) until every sequence has its first token
+        started.update(out.seq_id for out in engine.step())
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    contexts: list[int] = []
+    for step in range(total_steps):
+        mode = modes[step % len(modes)]
+        runner.decode_graphs = graphs if mode == "cuda_graphs" else None
+        context_now = min(s.num_tokens for s in engine.scheduler.running) - 1
+        began = time.perf_counter()
+        outputs = engine.step()  # the sampler's host copy waits for the device: the step is done
+        elapsed = time.perf_counter() - began
+        if len(outputs) != batch:
+            raise RuntimeError(f"a decode step produced {len(outputs)} tokens for {batch} sequences "
+                               f"({engine.scheduler.num_preemptions} preemptions so far)")
+        if step >= warmup * len(modes):
+            times[mode].append(elapsed)
+            contexts.append(context_now)
+    runner.decode_graphs = graphs
+    for i in range(batch):
+        engine.abort_request(i)
+    return times, statistics.fmean(contexts)
+
+
+def write_shape(shape: str, out: Path) -> Path:
+    config = dict(SHAPES[shape])
+    config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
+                        help="a built-in config (dummy weights); ignored with --model-dir")
+    parser.add_argument("--model-dir", default=None, help="a model dir with config.json (its weights are not read)")
+    parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and bf16 CPUs), bfloat16, float32")
+    parser.add_argument("--batch-sizes", default="1", help="comma-separated decode batch sizes")
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens per sequence before decoding")
+    parser.add_argument("--steps", type=int, default=50, help="timed decode steps per mode")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed decode steps per mode first")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: time eager steps only")
+    parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="size of the copy that measures bandwidth")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        parser.error("--batch-sizes must list sizes >= 1")
+    if args.context < 1 or args.steps < 1 or args.warmup < 0:
+        parser.error("--context and --steps must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    bandwidth = copy_bandwidth(device, args.bandwidth_bytes)
+    max_batch = max(args.batch_sizes)
+    # Prefill steps (when the first sequences already decode), then every mode's steps.
+    prefill_steps = -(-max_batch * args.context // STEP_TOKENS) + 1
+    max_model_len = args.context + prefill_steps + 2 * (args.warmup + args.steps) + 4
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = Path(args.model_dir) if args.model_dir else write_shape(args.shape, Path(scratch))
+        runner = ModelRunner(model_dir, "dummy", device, dtype, max_num_seqs=max_batch, max_model_len=max_model_len,
+                             # Room for every sequence's whole context: no preemption mid-run.
+                             kv_cache_tokens=max_batch * -(-max_model_len // BLOCK_SIZE) * BLOCK_SIZE,
+                             block_size=BLOCK_SIZE,
+                             decode_graphs=device.type == "cuda" and not args.no_cuda_graphs)
+    s = runner.shape
+    per_token = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, dtype)
+    weights = weight_bytes_per_step(runner.model)
+    name = args.model_dir or args.shape
+    print(f"{name} ({weights / 2**30:.2f} GiB of weights per step) {dtype} on {device}; copy bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s; context {args.context}, {args.steps} timed steps per mode", flush=True)
+    results: list[BatchRoofline] = []
+    for batch in args.batch_sizes:
+        times, mean_context = time_decode_steps(runner, batch, args.context, args.steps, args.warmup)
+        # Each sequence's step reads its cached positions and the new token's (written, then read).
+        kv = round(batch * (mean_context + 1) * per_token)
+        result = BatchRoofline(batch, mean_context, weights, kv, 1e3 * (weights + kv) / bandwidth)
+        for mode, samples in times.items():
+            result.step_ms[mode] = 1e3 * statistics.median(samples)
+            result.ratio[mode] = result.step_ms[mode] / result.roofline_ms
+        results.append(result)
+        line = ", ".join(f"{m} {result.step_ms[m]:.3f} ms = {result.ratio[m]:.2f}x" for m in result.step_ms)
+        print(f"batch {batch}: roofline {result.roofline_ms:.3f} ms; {line}", flush=True)
+    report = {"model": name, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "threads": torch.get_num_threads(), "copy_bandwidth_bytes_per_s": bandwidth,
+              "kv_bytes_per_token": per_token, "context": args.context, "steps": args.steps,
+              "torch": torch.__version__, "results": [asdict(r) for r in results]}
+    if args.json_out:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
