@@ -24,26 +24,12 @@ from pathlib import Path
 
 import torch
 
+from bench.model_shapes import SHAPES, write_shape_dir
 from model_worker.engine import LLMEngine
 from model_worker.kv_cache import kv_bytes_per_token
 from model_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from model_worker.models.linear import Linear
 from model_worker.sequence import SamplingParams
-
-# Public config.json values of the two shapes (weights are random: nothing is downloaded).
-SHAPES = {
-    "llama3-8b": {
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
-    },
-    "smollm2-135m": {
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
-        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
-        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
-    },
-}
-
 
 BLOCK_SIZE = 16  # the model worker's default
 STEP_TOKENS = 2048  # the model worker's default --max-num-batched-tokens
@@ -148,13 +134,6 @@ def time_decode_steps(runner: ModelRunner, batch: int, context: int, steps: int,
     return times, statistics.fmean(contexts)
 
 
-def write_shape(shape: str, out: Path) -> Path:
-    config = dict(SHAPES[shape])
-    config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
@@ -191,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     prefill_steps = -(-max_batch * args.context // STEP_TOKENS) + 1
     max_model_len = args.context + prefill_steps + 2 * (args.warmup + args.steps) + 4
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = Path(args.model_dir) if args.model_dir else write_shape(args.shape, Path(scratch))
+        model_dir = Path(args.model_dir) if args.model_dir else write_shape_dir(args.shape, Path(scratch))
         runner = ModelRunner(model_dir, "dummy", device, dtype, max_num_seqs=max_batch, max_model_len=max_model_len,
                              # Room for every sequence's whole context: no preemption mid-run.
                              kv_cache_tokens=max_batch * -(-max_model_len // BLOCK_SIZE) * BLOCK_SIZE,

@@ -2,6 +2,11 @@
 continuous batching, greedy, ignoring EOS, timed per token so they report loadgen's metrics.
 
     python -m bench.hf_baselines --mode static --concurrency 1,32 --output-tokens 200 --json bench/results/hf.json
+
+On a GPU, against a model shape with random weights (bench/model_shapes.py):
+
+    python -m bench.hf_baselines --mode continuous --model /tmp/llama3-8b-shape --load-format dummy \
+        --device cuda --dtype bfloat16 --concurrency 64 --output-tokens 200
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def run_static(model, prompts: list[Prompt], level: Level, output_tokens: int, p
     records = []
     for first in range(0, len(prompts), level.concurrency):
         batch = prompts[first:first + level.concurrency]
-        input_ids = torch.tensor([p.token_ids for p in batch])  # [B, L]: equal lengths, no padding
+        input_ids = torch.tensor([p.token_ids for p in batch], device=model.device)  # [B, L]: equal lengths
         streamer = StepTimes()
         start = time.perf_counter()
         with torch.inference_mode():
@@ -100,6 +105,19 @@ def run_continuous(model, prompts: list[Prompt], level: Level, output_tokens: in
     return records
 
 
+def load_model(model_dir: Path, load_format: str, device: torch.device, dtype: torch.dtype):
+    """The checkpoint's weights, or (dummy) transformers' own random init of its config, made
+    directly on the device: an 8B model initialised on the host would take minutes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format == "dummy":
+        with device:
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    return model.eval()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["static", "continuous"], required=True,
@@ -107,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="'default' (SmolLM2 GGUF), a .gguf or a HF model dir")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tokenwire"))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: random weights from the model dir's config.json (made on --device)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
     parser.add_argument("--label", default="")
     parser.add_argument("--json", dest="json_out", default="")
@@ -121,13 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     workload: Workload = args.workload
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
     from transformers import __version__ as transformers_version
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # generate() warns about unused generation-config fields every call
     model_dir = resolve_model_dir(args.model, Path(args.cache_dir))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype]).eval()
+    model = load_model(model_dir, args.load_format, torch.device(args.device), DTYPES[args.dtype])
     pool = make_prompts(load_tokenizer(model_dir), workload.pool_size, workload.prompt_len, workload.seed)
     label = args.label or f"transformers {'generate static' if args.mode == 'static' else 'generate_batch'}"
     pad = model.generation_config.pad_token_id or 0
@@ -150,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         error = f"{type(exc).__name__}: {exc}"
         print(f"{label} failed: {error}", file=sys.stderr)
     report = build_report(label, f"hf_{args.mode}", asdict(workload), summaries, error=error,
-                          dtype=args.dtype, device="cpu", transformers=transformers_version)
+                          dtype=args.dtype, device=args.device, load_format=args.load_format,
+                          transformers=transformers_version)
     if args.json_out:
         write_report(Path(args.json_out), report)
         print(f"wrote {args.json_out}")

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bench import decode_roofline
+from bench.model_shapes import write_shape_dir
 
 
 def llama_weight_elements(config: dict) -> int:
@@ -45,7 +46,7 @@ def test_cpu_run_counts_the_model_arithmetic(tiny_model_dir, tmp_path):
 
 
 def test_the_built_in_shapes_are_the_public_configs(tmp_path):
-    config = json.loads(decode_roofline.write_shape("llama3-8b", tmp_path).joinpath("config.json").read_text())
+    config = json.loads(write_shape_dir("llama3-8b", tmp_path).joinpath("config.json").read_text())
     # Llama-3-8B has 8,030,261,248 parameters; the input embedding (525M) is read only by its rows.
     assert llama_weight_elements(config) + config["vocab_size"] * config["hidden_size"] == 8_030_261_248
 
