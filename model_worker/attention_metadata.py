@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model_worker.device_transfer import tensor_on
+
 
 @dataclass
 class PrefillSegment:
@@ -75,7 +77,7 @@ class AttentionMetadata:
                 query_pos = torch.arange(context_len, end, device=device)[:, None]
                 causal = key_pos <= query_pos  # [n, end]
                 if context_len > 0:
-                    block_ids = torch.tensor(table[:-(-end // block_size)], dtype=torch.long, device=device)
+                    block_ids = tensor_on(device, table[:-(-end // block_size)], torch.long)
                     mask = causal
                 if windowed:
                     window_mask = causal & (key_pos > query_pos - sliding_window)
@@ -90,7 +92,7 @@ class AttentionMetadata:
                 slots.append(table[context_len // block_size] * block_size + context_len % block_size)
                 used = table[:context_len // block_size + 1]
                 rows.append(used + [0] * (max_blocks - len(used)))
-            seq_lens = torch.tensor([context_len + 1 for _, context_len in decodes], device=device)
+            seq_lens = tensor_on(device, [context_len + 1 for _, context_len in decodes], torch.long)
             key_pos = torch.arange(max_blocks * block_size, device=device)
             mask = key_pos[None, :] < seq_lens[:, None]
             window_mask = None
@@ -98,14 +100,14 @@ class AttentionMetadata:
                 window_mask = (mask & (key_pos[None, :] >= seq_lens[:, None] - sliding_window))[:, None, None, :]
             decode = DecodeBatch(
                 start=row,
-                block_tables=torch.tensor(rows, dtype=torch.long, device=device),
+                block_tables=tensor_on(device, rows, torch.long),
                 mask=mask[:, None, None, :],
                 seq_lens=seq_lens,
                 window_mask=window_mask,
             )
         return cls(
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            positions=tensor_on(device, positions, torch.long),
+            slot_mapping=tensor_on(device, slots, torch.long),
             prefills=segments,
             decode=decode,
             sliding_window=sliding_window,

@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from model_worker.block_manager import BlockManager
+from model_worker.device_transfer import tensor_on
 from model_worker.model_runner import ModelRunner
 from model_worker.sampling import Sampler, SamplerOutput, validate_sampling_params
 from model_worker.sampling.prompt_logprobs import PromptLogprobs
@@ -276,7 +277,7 @@ class LLMEngine:
                 rows.append(row)
                 expanded.append(child)
             seq.num_pending_forks = 0
-        return expanded, logits.index_select(0, torch.tensor(rows, device=logits.device))  # [S', V]
+        return expanded, logits.index_select(0, tensor_on(logits.device, rows, torch.long))  # [S', V]
 
     def _group_outputs(self, seqs: list[Sequence], outputs: list[SequenceOutput]) -> list[SequenceOutput]:
         """Per-sample outputs -> what the caller sees: request id and index set, finished

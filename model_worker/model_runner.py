@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from model_worker.attention_metadata import AttentionMetadata
 from model_worker.cuda_graphs import DecodeGraphRunner
+from model_worker.device_transfer import tensor_on
 from model_worker.kernels import (
     DEFAULT_BUILD_ROOT,
     paged_decode_attention_fits,
@@ -246,8 +247,8 @@ class ModelRunner:
         if isinstance(self.model, HFCausalLM):
             return self._execute_per_sequence(self.model, scheduled)
         if scheduled.block_copies:
-            src = torch.tensor([c.src for c in scheduled.block_copies], device=self.device)
-            dst = torch.tensor([c.dst for c in scheduled.block_copies], device=self.device)
+            src = tensor_on(self.device, [c.src for c in scheduled.block_copies], torch.long)
+            dst = tensor_on(self.device, [c.dst for c in scheduled.block_copies], torch.long)
             self.kv_cache.copy_blocks(src, dst)
         decodes = scheduled.decodes
         if (self.decode_graphs is not None and decodes and not scheduled.prefills
@@ -274,9 +275,9 @@ class ModelRunner:
                 chunk_indices.append(i)
         window = self.shape.sliding_window if isinstance(self.shape, LlamaShape) else 0
         meta = AttentionMetadata.build(prefills, decodes, self.kv_cache.block_size, self.device, window)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        ids = tensor_on(self.device, input_ids, torch.long)
         hidden = self.model.forward(ids, meta, self.kv_cache)  # [T, hidden]
-        rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+        rows = tensor_on(self.device, last_rows, torch.long)
         return StepLogits(self.model.logits(hidden[rows]), chunk_indices, self._prompt_logits(scheduled, hidden))
 
     def _prompt_logits(self, scheduled: SchedulerOutput, hidden: torch.Tensor) -> list[PromptChunkLogits]:

@@ -68,7 +68,8 @@ def test_model_runner_refuses_the_flag_for_other_architectures(tmp_path):
                     batch_invariant=True)
 
 
-def test_topk_lowest_id_first_orders_ties_by_id_whatever_k():
+@pytest.mark.parametrize("full_sort", [False, True], ids=["topk_then_spill", "full_sort"])
+def test_topk_lowest_id_first_orders_ties_by_id_whatever_k(full_sort):
     from model_worker.sampling.processors import topk_lowest_id_first
 
     gen = torch.Generator().manual_seed(2)
@@ -79,9 +80,9 @@ def test_topk_lowest_id_first_orders_ties_by_id_whatever_k():
     x[2, 10:] = float("-inf")  # a filtered row: fewer finite values than some k
     expected_values, expected_ids = x.sort(dim=-1, descending=True, stable=True)
     for k in (1, 2, 3, 5, 20):
-        values, ids = topk_lowest_id_first(x, k)
+        values, ids = topk_lowest_id_first(x, k, full_sort)
         assert torch.equal(ids, expected_ids[:, :k]) and torch.equal(values, expected_values[:, :k]), k
-    assert topk_lowest_id_first(x, 3)[1][0].tolist() == [3, 7, 500]
+    assert topk_lowest_id_first(x, 3, full_sort)[1][0].tolist() == [3, 7, 500]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

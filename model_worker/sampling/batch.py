@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_worker.device_transfer import moved_to, tensor_on
 from model_worker.sampling.penalties import dry_max_exponent
 from model_worker.sampling.token_state import StateNeeds, TokenState
 from model_worker.sequence import LogprobsMode, SamplerOrder, SamplingParams, Sequence
@@ -119,8 +120,8 @@ class SamplingBatch:
             picked = [i for i, v in enumerate(values) if v is not None]
             if not picked:
                 return None
-            rows = None if len(picked) == len(values) else torch.tensor(picked, dtype=torch.long, device=device)
-            return RowParams(rows, torch.tensor([values[i] for i in picked], dtype=dtype, device=device))
+            rows = None if len(picked) == len(values) else tensor_on(device, picked, torch.long)
+            return RowParams(rows, tensor_on(device, [values[i] for i in picked], dtype))
 
         greedy = [p.greedy for p in params]
         chain: list[FilterStep] = []
@@ -139,8 +140,8 @@ class SamplingBatch:
                                for p in params])
         mu = None
         if mirostat is not None:
-            mu = torch.tensor([[saved_mu.get(s.seq_id, 2.0 * s.sampling.mirostat_tau)] for s in seqs
-                               if s.sampling.mirostat == 2 and not s.sampling.greedy], device=device)
+            mu = tensor_on(device, [[saved_mu.get(s.seq_id, 2.0 * s.sampling.mirostat_tau)] for s in seqs
+                                    if s.sampling.mirostat == 2 and not s.sampling.greedy], torch.float32)
         repetition = row_params([[p.repetition_penalty] if p.repetition_penalty != 1.0 else None for p in params])
         presence_frequency = row_params([[p.presence_penalty, p.frequency_penalty]
                                          if p.presence_penalty or p.frequency_penalty else None for p in params])
@@ -165,7 +166,7 @@ class SamplingBatch:
             allowed_mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool)
             for a, i in enumerate(allowed):
                 allowed_mask[a, list(params[i].allowed_token_ids)] = True
-            allowed_mask = allowed_mask.to(device)
+            allowed_mask = moved_to(device, allowed_mask)
         processed = [p.logprobs and p.logprobs_mode == LogprobsMode.PROCESSED for p in params]
         seeds = [p.seed or 0 for p in params]
         changes_logits = (repetition or presence_frequency or repeat or any(uses_dry) or bias or banned
@@ -176,8 +177,8 @@ class SamplingBatch:
             params=params,
             fast_greedy=all(greedy) and not changes_logits and not any(processed),
             any_sampled=not all(greedy),
-            sampled_rows=None if all(greedy) or not any(greedy) else torch.tensor(
-                [i for i, g in enumerate(greedy) if not g], dtype=torch.long, device=device),
+            sampled_rows=None if all(greedy) or not any(greedy) else tensor_on(
+                device, [i for i, g in enumerate(greedy) if not g], torch.long),
             chain=chain,
             mirostat=mirostat,
             mirostat_mu=mu,
@@ -185,21 +186,21 @@ class SamplingBatch:
             presence_frequency=presence_frequency,
             repeat=repeat,
             dry=_dry_batch([i for i, u in enumerate(uses_dry) if u], params, device) if any(uses_dry) else None,
-            logit_bias=(torch.tensor([i for i, _, _ in bias], dtype=torch.long, device=device),
-                        torch.tensor([t for _, t, _ in bias], dtype=torch.long, device=device),
-                        torch.tensor([b for _, _, b in bias], dtype=torch.float32, device=device)) if bias else None,
-            allowed_rows=torch.tensor(allowed, dtype=torch.long, device=device) if allowed else None,
+            logit_bias=(tensor_on(device, [i for i, _, _ in bias], torch.long),
+                        tensor_on(device, [t for _, t, _ in bias], torch.long),
+                        tensor_on(device, [b for _, _, b in bias], torch.float32)) if bias else None,
+            allowed_rows=tensor_on(device, allowed, torch.long) if allowed else None,
             allowed_mask=allowed_mask,
             banned=_sparse(banned, device),
             bad_word_prefixes=[(i, tuple(w[:-1]), w[-1]) for i, p in enumerate(params) for w in p.bad_words
                                if len(w) > 1],
-            min_tokens=torch.tensor([p.min_tokens for p in params], dtype=torch.long, device=device)
+            min_tokens=tensor_on(device, [p.min_tokens for p in params], torch.long)
             if with_min else None,
             stop_ids=_sparse(with_min, device),
-            seed_lo=torch.tensor([s & 0xFFFFFFFF for s in seeds], dtype=torch.long, device=device),
-            seed_hi=torch.tensor([s >> 32 for s in seeds], dtype=torch.long, device=device),
-            sample_index=torch.tensor([s.sample_index for s in seqs], dtype=torch.long, device=device),
-            processed_logprobs=torch.tensor(processed, dtype=torch.bool, device=device) if any(processed) else None,
+            seed_lo=tensor_on(device, [s & 0xFFFFFFFF for s in seeds], torch.long),
+            seed_hi=tensor_on(device, [s >> 32 for s in seeds], torch.long),
+            sample_index=tensor_on(device, [s.sample_index for s in seqs], torch.long),
+            processed_logprobs=tensor_on(device, processed, torch.bool) if any(processed) else None,
             want_chosen=any(p.wants_chosen_logprob for p in params),
             max_top_logprobs=max((p.top_logprobs for p in params if p.logprobs), default=0),
             state=state,
@@ -227,8 +228,8 @@ def _reuse_rows(seqs: list[Sequence], previous: SamplingBatch | None) -> list[in
 def _sparse(pairs: list[tuple[int, int]], device: torch.device) -> SparseIds | None:
     if not pairs:
         return None
-    return (torch.tensor([r for r, _ in pairs], dtype=torch.long, device=device),
-            torch.tensor([t for _, t in pairs], dtype=torch.long, device=device))
+    return (tensor_on(device, [r for r, _ in pairs], torch.long),
+            tensor_on(device, [t for _, t in pairs], torch.long))
 
 
 def _dry_batch(rows: list[int], params: list[SamplingParams], device: torch.device) -> DryBatch:
@@ -245,14 +246,14 @@ def _dry_batch(rows: list[int], params: list[SamplingParams], device: torch.devi
     max_exponents = [dry_max_exponent(p.dry_base) for p in dry_params]
     last_n = [p.dry_penalty_last_n for p in dry_params]
     return DryBatch(
-        rows=torch.tensor(rows, dtype=torch.long, device=device),
-        multiplier=torch.tensor([p.dry_multiplier for p in dry_params], dtype=torch.float32, device=device),
-        base=torch.tensor([p.dry_base for p in dry_params], dtype=torch.float32, device=device),
-        allowed_length=torch.tensor([p.dry_allowed_length for p in dry_params], dtype=torch.long, device=device),
-        max_exponent=torch.tensor(max_exponents, dtype=torch.long, device=device),
-        last_n=torch.tensor(last_n, dtype=torch.long, device=device),
-        breakers=breakers.to(device),
-        single_breakers=single_breakers.to(device),
+        rows=tensor_on(device, rows, torch.long),
+        multiplier=tensor_on(device, [p.dry_multiplier for p in dry_params], torch.float32),
+        base=tensor_on(device, [p.dry_base for p in dry_params], torch.float32),
+        allowed_length=tensor_on(device, [p.dry_allowed_length for p in dry_params], torch.long),
+        max_exponent=tensor_on(device, max_exponents, torch.long),
+        last_n=tensor_on(device, last_n, torch.long),
+        breakers=moved_to(device, breakers),
+        single_breakers=moved_to(device, single_breakers),
         max_match=max(p.dry_allowed_length + e for p, e in zip(dry_params, max_exponents, strict=True)),
         max_last_n=0 if any(n <= 0 for n in last_n) else max(last_n),
     )

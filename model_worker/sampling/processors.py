@@ -32,7 +32,11 @@ def top_k_removed(logits: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Te
 def _num_candidates(logits: torch.Tensor) -> int | None:
     """How many tokens any row still has in play, when that is few enough (an earlier top_k left
     them) that sorting only those beats sorting the vocabulary; None otherwise. The tokens left
-    out are -inf, so they add nothing to any softmax or cumulative mass."""
+    out are -inf, so they add nothing to any softmax or cumulative mass. Always None on an
+    accelerator: reading the count back would make the host wait for the device mid-step, and a
+    full sort there costs less than that wait."""
+    if logits.device.type != "cpu":
+        return None
     count = int(torch.isfinite(logits).sum(dim=-1).max())
     return count if count <= logits.shape[-1] // 4 else None
 
@@ -168,7 +172,7 @@ def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
 _TIE_MARGIN = 8
 
 
-def topk_lowest_id_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_lowest_id_first(x: torch.Tensor, k: int, full_sort: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [S, V] -> (values, ids) [S, k]: x.topk(k) with equal values in ascending id order.
 
     torch.topk leaves the order of equal values, and which of them make the cut at the k-th
@@ -176,7 +180,15 @@ def topk_lowest_id_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     bfloat16 logits, where ties are common, a request's top logprobs then depended on what else
     was in its batch. k + _TIE_MARGIN candidates hold every value equal to the k-th unless the
     last candidate equals it too; only such rows pay for a full stable sort.
+
+    full_sort (default: off the CPU) gives the same answer from one stable sort of every row:
+    finding the rows that need it reads a count back, a host sync the sampler avoids on a GPU.
     """
+    if full_sort is None:
+        full_sort = x.device.type != "cpu"
+    if full_sort:
+        values, ids = x.sort(dim=-1, descending=True, stable=True)
+        return values[:, :k], ids[:, :k]
     num = min(k + _TIE_MARGIN, x.shape[-1])
     values, ids = x.topk(num, dim=-1)  # [S, num], descending
     spill = (values[:, -1] == values[:, k - 1]).nonzero()[:, 0] if num < x.shape[-1] else ids[:0, 0]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_worker.device_transfer import tensor_on
 from model_worker.sampling import penalties, processors
 from model_worker.sampling.batch import FilterStep, RowParams, SamplingBatch
 from model_worker.sampling.counter_random import (
@@ -169,10 +170,10 @@ class Sampler:
                 banned_rows.append(row)
                 banned_ids.append(last)
         if b.banned is not None:
-            x.index_put_(b.banned, torch.tensor(NEG_INF, device=x.device))
+            x.index_put_(b.banned, x.new_full((), NEG_INF))
         if banned_rows:
-            x.index_put_((torch.tensor(banned_rows, device=x.device), torch.tensor(banned_ids, device=x.device)),
-                         torch.tensor(NEG_INF, device=x.device))
+            x.index_put_((tensor_on(x.device, banned_rows, torch.long), tensor_on(x.device, banned_ids, torch.long)),
+                         x.new_full((), NEG_INF))
         if b.stop_ids is not None:
             rows, ids = b.stop_ids
             active = b.state.num_output.index_select(0, rows) < b.min_tokens.index_select(0, rows)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_worker.device_transfer import moved_to, tensor_on
 from model_worker.sequence import Sequence
 
 
@@ -42,10 +43,10 @@ class TokenState:
         """reuse[i]: the row of previous holding seqs[i]'s current statistics, or None."""
         num_tokens = [s.num_tokens for s in seqs]
         state = cls(
-            num_output=torch.tensor([len(s.output_token_ids) for s in seqs], dtype=torch.long, device=device),
-            num_tokens=torch.tensor(num_tokens, dtype=torch.long, device=device),
+            num_output=tensor_on(device, [len(s.output_token_ids) for s in seqs], torch.long),
+            num_tokens=tensor_on(device, num_tokens, torch.long),
             output_counts=None, seen=None, window_counts=None,
-            window_n=torch.tensor(window_n, dtype=torch.long, device=device) if needs.window_counts else None,
+            window_n=tensor_on(device, window_n, torch.long) if needs.window_counts else None,
             history=None, max_num_tokens=max(num_tokens),
         )
         if needs.history:
@@ -121,12 +122,12 @@ def _fill(previous: torch.Tensor | None, reuse: list[int | None], seqs: list[Seq
     device = device or fresh_rows.device
     out = torch.full((len(seqs), width), pad, dtype=dtype, device=device)
     if kept:
-        src = torch.tensor([r for _, r in kept], dtype=torch.long, device=device)
-        dst = torch.tensor([i for i, _ in kept], dtype=torch.long, device=device)
+        src = tensor_on(device, [r for _, r in kept], torch.long)
+        dst = tensor_on(device, [i for i, _ in kept], torch.long)
         copy_width = min(width, previous.shape[1])
         out[:, :copy_width] = out[:, :copy_width].index_copy(0, dst, previous.index_select(0, src)[:, :copy_width])
     if fresh:
-        out.index_copy_(0, torch.tensor(fresh, dtype=torch.long, device=device), fresh_rows.to(dtype))
+        out.index_copy_(0, tensor_on(device, fresh, torch.long), fresh_rows.to(dtype))
     return out
 
 
@@ -135,7 +136,7 @@ def _counts(token_lists: list[list[int]], vocab_size: int, device: torch.device)
     rows = torch.tensor([r for r, tokens in enumerate(token_lists) for _ in tokens], dtype=torch.long)
     ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
     counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.int32, device=device)
-    counts.index_put_((rows.to(device), ids.to(device)), torch.ones(len(ids), dtype=torch.int32, device=device),
+    counts.index_put_((moved_to(device, rows), moved_to(device, ids)), torch.ones(len(ids), dtype=torch.int32, device=device),
                       accumulate=True)
     return counts
 
@@ -146,4 +147,4 @@ def _history(seqs: list[Sequence], capacity: int, device: torch.device) -> torch
     for row, s in enumerate(seqs):
         tokens = s.prompt_token_ids + s.output_token_ids
         history[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    return history.to(device)
+    return moved_to(device, history)
