@@ -217,20 +217,24 @@ class ModelRunner:
             self.decode_graphs = self._captured_decode_graphs(max_num_seqs, max_model_len, window)
 
     def _captured_decode_graphs(self, max_num_seqs: int, max_model_len: int, window: int) -> DecodeGraphRunner | None:
-        graphs = DecodeGraphRunner(self.model, self.kv_cache, max_num_seqs, max_model_len, self.device, window)
+        graphs = DecodeGraphRunner(self.model, self.kv_cache, max_num_seqs, max_model_len, self.shape.vocab_size,
+                                   self.device, window)
         if not graphs.capture:
             return graphs
         started = time.perf_counter()
         try:
             graphs.capture_all()
-            error = graphs.replay_matches_eager()
+            error = graphs.check_replays()
         except Exception:
             # A model op that cannot be captured must not take the worker down: it runs eagerly.
             logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            torch.cuda.empty_cache()
             return None
+        # The checks' eager forwards left their peak memory in torch's allocator cache: back to the device.
+        torch.cuda.empty_cache()
         logger.info("captured %d decode CUDA graphs (batch sizes %s x widths %s blocks) in %.1f s; replay vs "
-                    "eager max |logit diff| %.2g", graphs.num_graphs, graphs.batch_sizes, graphs.widths,
-                    time.perf_counter() - started, error)
+                    "eager: worst |logit difference| %.2g of the largest", graphs.num_graphs, graphs.batch_sizes,
+                    graphs.widths, time.perf_counter() - started, error)
         return graphs
 
     @property
@@ -251,12 +255,12 @@ class ModelRunner:
             dst = tensor_on(self.device, [c.dst for c in scheduled.block_copies], torch.long)
             self.kv_cache.copy_blocks(src, dst)
         decodes = scheduled.decodes
-        if (self.decode_graphs is not None and decodes and not scheduled.prefills
-                and self.decode_graphs.fits(len(decodes), max(c.start for c in decodes))):
+        if self.decode_graphs is not None and decodes and not scheduled.prefills:
             # A decode's chunk is its last token: every row completes its sequence, and no prompt logits.
             logits = self.decode_graphs.run([(c.seq.block_table, c.start) for c in decodes],
                                             [c.seq.token_ids_from(c.start, 1)[0] for c in decodes])
-            return StepLogits(logits, list(range(len(decodes))))
+            if logits is not None:
+                return StepLogits(logits, list(range(len(decodes))))
         input_ids: list[int] = []
         prefills: list[tuple[list[int], int, int]] = []
         decodes: list[tuple[list[int], int]] = []

@@ -10,6 +10,7 @@ import torch
 
 from model_worker.config import Config
 from model_worker.cuda_graphs import (
+    MAX_CAPTURE_BATCH,
     DecodeGraphRunner,
     capture_batch_sizes,
     capture_widths,
@@ -29,6 +30,7 @@ def test_capture_sizes():
     assert capture_batch_sizes(5) == [1, 2, 4, 5]
     assert capture_batch_sizes(12) == [1, 2, 4, 8, 12]
     assert capture_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_batch_sizes(1000)[-2:] == [MAX_CAPTURE_BATCH - 8, MAX_CAPTURE_BATCH]
     assert capture_widths(3) == [3]
     assert capture_widths(4) == [4]
     assert capture_widths(5) == [4, 5]
@@ -41,7 +43,9 @@ def record_buckets(graphs: DecodeGraphRunner) -> list[tuple[int, int, int]]:
     run = graphs.run
 
     def recording(decodes, input_ids):
-        seen.append((len(decodes), *graphs.bucket(len(decodes), max(c for _, c in decodes))))
+        bucket = graphs.bucket(len(decodes), max(c for _, c in decodes))
+        assert bucket is not None
+        seen.append((len(decodes), *bucket))
         return run(decodes, input_ids)
 
     graphs.run = recording
@@ -132,7 +136,52 @@ def test_transformers_fallback_and_batch_invariance_refuse_graphs(tiny_model_dir
 def test_graph_runner_needs_a_padding_block(tiny_model_dir):
     runner = ModelRunner(tiny_model_dir, "dummy", CPU, torch.float32, max_num_seqs=4, max_model_len=64)
     with pytest.raises(ValueError, match="padding block"):
-        DecodeGraphRunner(runner.model, runner.kv_cache, 4, 64, CPU)
+        DecodeGraphRunner(runner.model, runner.kv_cache, 4, 64, runner.vocab_size, CPU)
+
+
+class ForwardGraph:
+    """What a faithful capture replays: the bucket's forward on whatever the buffers hold now."""
+
+    def __init__(self, graphs: DecodeGraphRunner, batch: int, width: int) -> None:
+        self.graphs, self.batch, self.width = graphs, batch, width
+
+    def replay(self) -> None:
+        self.graphs._logits[:self.batch].copy_(self.graphs._forward(self.batch, self.width))
+
+
+class FrozenInputsGraph(ForwardGraph):
+    """A broken capture: positions, slots, lengths and block tables stay as they were at
+    capture (only the token ids follow), the bug the startup check must catch."""
+
+    def __init__(self, graphs: DecodeGraphRunner, batch: int, width: int) -> None:
+        super().__init__(graphs, batch, width)
+        self.frozen = graphs._static.clone()
+
+    def replay(self) -> None:
+        live = self.graphs._static.clone()
+        m = self.graphs._max_batch
+        self.graphs._static[m:] = self.frozen[m:]
+        try:
+            super().replay()
+        finally:
+            self.graphs._static.copy_(live)
+
+
+@pytest.mark.parametrize("graph_class, faithful", [(ForwardGraph, True), (FrozenInputsGraph, False)])
+def test_startup_check_catches_a_graph_that_ignores_its_inputs(tiny_model_dir, graph_class, faithful):
+    runner = ModelRunner(tiny_model_dir, "dummy", CPU, torch.float32, max_num_seqs=8, max_model_len=64, block_size=4,
+                         decode_graphs=True)
+    graphs = runner.decode_graphs
+    for batch in (1, 8):
+        graphs._fill([], [], batch, 16)  # what capture sees: padding only
+        graphs._graphs[(batch, 16)] = graph_class(graphs, batch, 16)
+    if faithful:
+        assert graphs.check_replays() == 0.0
+    else:
+        with pytest.raises(RuntimeError, match="differs from the eager forward"):
+            graphs.check_replays()
+    # The check leaves the cache as the engine expects it: all zeros.
+    assert not runner.kv_cache.key.any() and not runner.kv_cache.value.any()
 
 
 @pytest.mark.gpu
@@ -144,7 +193,7 @@ def test_captured_graphs_replay_the_eager_decode(tiny_model_dir):
     graphs = captured.decode_graphs
     assert graphs is not None and graphs.capture
     assert graphs.num_graphs == len(graphs.batch_sizes) * len(graphs.widths)
-    assert graphs.replay_matches_eager(seed=1) < 0.05
+    assert graphs.check_replays(seeds=(2, 3)) < 0.02
     seen = record_buckets(graphs)
     reference = engine_greedy(eager, PROMPTS, max_tokens=8, step_budget=7)
     outputs = engine_greedy(captured, PROMPTS, max_tokens=8, step_budget=7)
