@@ -171,6 +171,13 @@ class DecodeGraphRunner:
     # ---- capture and replay ----
 
     @torch.inference_mode()
+    def warm_up_largest(self) -> None:
+        """The largest bucket's forward once, on padding: what its capture will need in memory."""
+        batch, width = self.batch_sizes[-1], self.widths[-1]
+        self._fill([], [], batch, width)
+        self._forward(batch, width)
+
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Captures every bucket, largest first so the shared memory pool is sized by the largest
         and the smaller ones reuse it. Buffers hold padding only, so capture writes no real KV.
@@ -218,8 +225,8 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def check_replays(self, seeds: Sequence[int] = (0, 1), rtol: float = 0.02) -> float:
-        """Replays the largest and the smallest captured bucket on random inputs and compares each
-        with the eager forward on the same inputs: the worst |logit difference| relative to the
+        """Replays the smallest captured bucket, the widest and the largest batch on random inputs
+        and compares each with the eager forward on the same inputs: the worst |logit difference| relative to the
         largest |logit|. Raises when it is over rtol, so a graph that does not follow its inputs
         (a mask, block table, position or slot frozen at capture) is never used.
 
@@ -229,10 +236,16 @@ class DecodeGraphRunner:
         again afterwards, as PagedKVCache made it."""
         if not self._graphs:
             return 0.0
-        buckets = sorted(self._graphs, key=lambda b: b[0] * b[1])
+        # The extremes of batch size and of width, each with the smallest of the other: the
+        # eager forward runs outside the graphs' memory pool, so the largest bucket would need
+        # its peak twice.
+        captured = sorted(self._graphs)
+        smallest = captured[0]
+        widest = max((b for b in captured if b[0] == smallest[0]), key=lambda b: b[1])
+        largest_batch = max((b for b in captured if b[1] == smallest[1]), key=lambda b: b[0])
         worst = 0.0
         try:
-            for batch, width in {buckets[-1], buckets[0]}:
+            for batch, width in dict.fromkeys((smallest, largest_batch, widest)):
                 for seed in seeds:
                     decodes, input_ids = self._random_step(batch, width, seed)
                     self._fill(decodes, input_ids, batch, width)

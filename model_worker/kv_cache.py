@@ -23,10 +23,11 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 
 def num_kv_blocks(bytes_per_token: int, block_size: int, max_num_seqs: int, max_model_len: int,
                   device: torch.device, kv_cache_tokens: int = 0, kv_cache_memory_bytes: int = 0,
-                  gpu_memory_utilization: float = 0.9) -> int:
+                  gpu_memory_utilization: float = 0.9, reserved_bytes: int = 0) -> int:
     """Blocks for the cache, from the first of: a token count, a byte budget, a fraction of
     free CUDA memory (call after the weights are loaded), or DEFAULT_CPU_KV_CACHE_BYTES on CPU.
-    Never more than max_num_seqs full contexts need; never too few for one full context."""
+    Never more than max_num_seqs full contexts need; never too few for one full context.
+    reserved_bytes (CUDA fraction only): memory kept for something else, e.g. CUDA graphs."""
     if kv_cache_tokens:
         tokens = kv_cache_tokens
     elif kv_cache_memory_bytes:
@@ -34,7 +35,7 @@ def num_kv_blocks(bytes_per_token: int, block_size: int, max_num_seqs: int, max_
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # Leave (1 - utilization) of the whole device to activations and other processes.
-        budget = free - (1.0 - gpu_memory_utilization) * total
+        budget = free - (1.0 - gpu_memory_utilization) * total - reserved_bytes
         tokens = int(max(budget, 0) // bytes_per_token)
     else:
         tokens = DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_token

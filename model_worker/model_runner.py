@@ -189,10 +189,21 @@ class ModelRunner:
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant)
             else:
                 self.model = model_class(s, weights, device, dtype, int8_small_batch)
+        if decode_graphs:
+            if isinstance(s, HFShape):
+                raise ValueError("CUDA graphs are only for natively run architectures (Llama family, GPT-2), "
+                                 f"not {s.architectures}")
+            if batch_invariant:
+                raise ValueError("CUDA graphs pad the batch to captured sizes; they cannot be batch-invariant")
+        window = s.sliding_window if isinstance(s, LlamaShape) else 0
+        # The captured graphs keep the largest decode bucket's peak memory: measured here, it is
+        # left out of the KV cache's share of the GPU (vLLM profiles a run for the same reason).
+        graph_bytes = (self._largest_decode_bucket_bytes(max_num_seqs, max_model_len, block_size, window)
+                       if decode_graphs and device.type == "cuda" else 0)
         # Sized after the weights are on the device, so a CUDA budget sees what is left.
         bytes_per_token = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, dtype)
         num_blocks = num_kv_blocks(bytes_per_token, block_size, max_num_seqs, max_model_len, device, kv_cache_tokens,
-                                   kv_cache_memory_bytes, gpu_memory_utilization)
+                                   kv_cache_memory_bytes, gpu_memory_utilization, graph_bytes)
         if isinstance(s, HFShape):
             self.kv_cache = CacheBudget(num_blocks, block_size, num_blocks * block_size * bytes_per_token)
         else:
@@ -208,13 +219,28 @@ class ModelRunner:
         # (on a CPU the same padded static-shape forward runs eagerly: the tests' way in).
         self.decode_graphs: DecodeGraphRunner | None = None
         if decode_graphs:
-            if isinstance(s, HFShape):
-                raise ValueError("CUDA graphs are only for natively run architectures (Llama family, GPT-2), "
-                                 f"not {s.architectures}")
-            if batch_invariant:
-                raise ValueError("CUDA graphs pad the batch to captured sizes; they cannot be batch-invariant")
-            window = s.sliding_window if isinstance(s, LlamaShape) else 0
             self.decode_graphs = self._captured_decode_graphs(max_num_seqs, max_model_len, window)
+
+    def _largest_decode_bucket_bytes(self, max_num_seqs: int, max_model_len: int, block_size: int,
+                                     window: int) -> int:
+        """Peak device memory of the largest decode bucket's forward (CUDA), run on a one-block
+        cache: every block table entry is block 0, and the gather's size does not depend on
+        which block it reads."""
+        s = self.shape
+        probe_cache = PagedKVCache(s.num_layers, 1, block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device,
+                                   padding_block=True)
+        probe = DecodeGraphRunner(self.model, probe_cache, max_num_seqs, max_model_len, s.vocab_size, self.device,
+                                  window, capture=False)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        probe.warm_up_largest()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del probe, probe_cache
+        torch.cuda.empty_cache()
+        logger.info("largest decode bucket's forward peaks at %.1f MiB; kept out of the KV cache", peak / 2**20)
+        return peak
 
     def _captured_decode_graphs(self, max_num_seqs: int, max_model_len: int, window: int) -> DecodeGraphRunner | None:
         graphs = DecodeGraphRunner(self.model, self.kv_cache, max_num_seqs, max_model_len, self.shape.vocab_size,
