@@ -124,8 +124,13 @@ def vllm_prompt_logprobs(speller: TokenRenderer, prompt_ids: list[int],
     return rendered
 
 
+def _json_text(text: str | None) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
 class _Responder:
     id_prefix = ""
+    object_name = ""
 
     def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, include_usage: bool = False) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -136,12 +141,35 @@ class _Responder:
         # Stream chunks carry a `usage` key (null until the last) only when the client asked.
         self.include_usage = include_usage
         self.continuous_usage = False  # stream_options.continuous_usage_stats; set by the route
+        # The start of every stream chunk's JSON, up to its choices list.
+        self._chunk_head = (f'{{"id":{_json_text(self.id)},"object":"{self.object_name}","created":{self.created},'
+                            f'"model":{_json_text(model)},"system_fingerprint":"{SYSTEM_FINGERPRINT}","choices":[')
 
     def _prompt_ids(self, index: int) -> list[int]:
         raise NotImplementedError
 
     def _prompt_index(self, choice: int) -> int:
         return 0
+
+    def chunk(self, index: int, event: GenerationEvent) -> ChatCompletionChunk | Completion:
+        raise NotImplementedError
+
+    def _plain_choice_json(self, index: int, event: GenerationEvent) -> str | None:
+        raise NotImplementedError
+
+    def stream_chunk_json(self, index: int, event: GenerationEvent, total: Usage | None = None,
+                          with_usage: bool = True) -> str:
+        """One stream chunk's JSON, with `usage` (total, or null) when with_usage. The common
+        chunk (text only: no logprobs, echo or prompt logprobs) is joined from cached parts,
+        where building and dumping the pydantic models costs 4-9 us a token (measured); the
+        others go through the models. tests/test_gateway_responses.py holds both to the same JSON."""
+        choice = self._plain_choice_json(index, event)
+        if choice is None:
+            chunk = self.chunk(index, event)
+            chunk.usage = total
+            return chunk.model_dump_json(exclude=None if with_usage else {"usage"})
+        usage_json = "" if not with_usage else ',"usage":' + (total.model_dump_json() if total is not None else "null")
+        return f"{self._chunk_head}{choice}]{usage_json}}}"
 
     def num_cached_prompt_tokens(self, per_choice: list[int]) -> int:
         """The request's cached prompt tokens: each prompt counted once, though its n choices
@@ -167,6 +195,7 @@ class _Responder:
 
 class ChatResponder(_Responder):
     id_prefix = "chatcmpl"
+    object_name = "chat.completion.chunk"
 
     def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, include_usage: bool = False,
                  prompt_token_ids: list[int] | None = None) -> None:
@@ -193,6 +222,13 @@ class ChatResponder(_Responder):
         """OpenAI opens every choice's stream with the role and empty content."""
         return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
                 for i in range(n)]
+
+    def _plain_choice_json(self, index: int, event: GenerationEvent) -> str | None:
+        if self.logprobs:
+            return None
+        delta = f'{{"content":{_json_text(event.text)}}}' if event.text or event.finish_reason is None else "{}"
+        return (f'{{"index":{index},"delta":{delta},"logprobs":null,'
+                f'"finish_reason":{_json_text(event.finish_reason)}}}')
 
     def chunk(self, index: int, event: GenerationEvent) -> ChatCompletionChunk:
         delta = ChatDelta(content=event.text if event.text or event.finish_reason is None else None)
@@ -223,6 +259,7 @@ class CompletionResponder(_Responder):
     """Choices of a batch of prompts: choice i answers prompts[i // n] (OpenAI's order)."""
 
     id_prefix = "cmpl"
+    object_name = "text_completion"
 
     def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, prompts: list[PromptEcho],
                  n: int = 1, echo: bool = False, include_usage: bool = False) -> None:
@@ -290,6 +327,12 @@ class CompletionResponder(_Responder):
     def first_chunks(self, n: int) -> list[Completion]:
         return []
 
+    def _plain_choice_json(self, index: int, event: GenerationEvent) -> str | None:
+        if self.logprobs or (self.echo and not self._echoed[index]):
+            return None
+        return (f'{{"index":{index},"text":{_json_text(event.text)},"logprobs":null,'
+                f'"finish_reason":{_json_text(event.finish_reason)},"prompt_logprobs":null}}')
+
     def chunk(self, index: int, event: GenerationEvent) -> Completion:
         return self._completion([self._choice(index, event)])
 
@@ -333,10 +376,7 @@ async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, r
         num_output_tokens[index] = event.num_output_tokens
         num_cached[index] = event.num_cached_prompt_tokens
         await responder.prepare(index, event)
-        chunk = responder.chunk(index, event)
-        if continuous_usage:
-            chunk.usage = totals()
-        return sse_event(chunk, with_usage)
+        return sse_data(responder.stream_chunk_json(index, event, totals() if continuous_usage else None, with_usage))
 
     try:
         for chunk in responder.first_chunks(num_choices):

@@ -93,6 +93,65 @@ def test_deadline_ends_a_slow_stream_with_504_and_closes_it():
     assert got == [1] and error.status == 504 and error.code == "request_timeout" and "0.2 s" in error.message
 
 
+def test_deadline_between_events_ends_the_stream_at_the_next_wait():
+    async def quick():
+        for i in range(3):
+            yield i
+
+    async def run() -> tuple[list[int], APIError]:
+        got = []
+        with pytest.raises(APIError) as info:
+            async for event in with_deadline(quick(), 0.05):
+                got.append(event)
+                await asyncio.sleep(0.1)  # a slow consumer: the deadline passes while it works
+        return got, info.value
+
+    got, error = asyncio.run(run())
+    assert got == [0] and error.status == 504
+
+
+def test_deadline_follows_the_consumer_to_another_task():
+    """The route awaits the first event in its task, Starlette's response task the rest."""
+    async def slow():
+        yield 1
+        await asyncio.sleep(10)
+        yield 2
+
+    async def run() -> APIError:
+        events = with_deadline(slow(), 0.2)
+        assert await anext(events) == 1
+
+        async def rest() -> None:
+            async for _ in events:
+                pass
+
+        with pytest.raises(APIError) as info:
+            await asyncio.create_task(rest())
+        return info.value
+
+    assert asyncio.run(run()).status == 504
+
+
+def test_a_cancellation_that_is_not_the_deadline_stays_a_cancellation():
+    async def slow():
+        yield 1
+        await asyncio.sleep(10)
+        yield 2
+
+    async def run() -> None:
+        async def consume() -> None:
+            async for _ in with_deadline(slow(), 5.0):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+
+
 def test_no_deadline_passes_everything_through():
     async def quick():
         for i in range(3):

@@ -223,3 +223,42 @@ def test_cached_prompt_tokens_count_each_prompt_once() -> None:
     body = responder.response(outputs, num_prompt_tokens=80).model_dump()
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 48, "audio_tokens": 0}
     assert ChatResponder("m", ByteSpeller(), logprobs=False).num_cached_prompt_tokens([16, 16, 16]) == 16
+
+
+TEXTS = ["", "hello", ' "quoted" \\ back', "é ü 日本 🙂", "line\nbreak\ttab", "\x00\x1f\x7f", "\u2028\u2029\x85"]
+
+
+def test_plain_stream_chunks_are_the_models_json_exactly() -> None:
+    """stream_chunk_json joins text-only chunks by hand: the same JSON, byte for byte, as the
+    pydantic models give, with and without usage; other chunks go through the models."""
+    def pair(make):
+        return make(), make()
+
+    cases = [(text, finish) for text in TEXTS for finish in (None, "stop", "length")]
+    for with_usage in (False, True):
+        for total in (None, usage(3, 7, 2)):
+            if total is not None and not with_usage:
+                continue
+            for text, finish in cases:
+                for fast, slow in (pair(lambda: ChatResponder("m\u00e9", ByteSpeller(), False)),
+                                   pair(lambda: CompletionResponder("m", ByteSpeller(), False, [PROMPT], n=2))):
+                    slow.id, slow.created = fast.id, fast.created
+                    ev = event(text, [120], finish)
+                    assert fast._plain_choice_json(1, ev) is not None
+                    reference = slow.chunk(1, ev)
+                    reference.usage = total
+                    want = reference.model_dump_json(exclude=None if with_usage else {"usage"})
+                    assert fast.stream_chunk_json(1, ev, total, with_usage) == want
+
+
+def test_chunks_with_logprobs_or_echo_go_through_the_models() -> None:
+    with_logprobs = CompletionResponder("m", ByteSpeller(), True, [PROMPT])
+    echoing = CompletionResponder("m", ByteSpeller(), False, [PROMPT], echo=True)
+    chat_logprobs = ChatResponder("m", ByteSpeller(), True)
+    ev = event("a", [97], logprobs=True)
+    for responder in (with_logprobs, echoing, chat_logprobs):
+        assert responder._plain_choice_json(0, ev) is None
+    assert json.loads(echoing.stream_chunk_json(0, ev))["choices"][0]["text"] == "hia"  # echo, then the text
+    assert json.loads(echoing.stream_chunk_json(0, ev))["choices"][0]["text"] == "a"  # echoed once
+    lp = json.loads(with_logprobs.stream_chunk_json(0, ev))["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["a"] and lp["token_logprobs"] == [-0.5]
