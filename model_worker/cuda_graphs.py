@@ -80,6 +80,7 @@ class DecodeGraphRunner:
         self.kv = kv
         self.device = device
         self.sliding_window = sliding_window
+        self.max_model_len = max_model_len
         self.capture = device.type == "cuda" if capture is None else capture
         block_size = kv.block_size
         self.batch_sizes = capture_batch_sizes(max_num_seqs)
@@ -179,34 +180,43 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Captures every bucket, largest first so the shared memory pool is sized by the largest
-        and the smaller ones reuse it. Buffers hold padding only, so capture writes no real KV.
-        A bucket whose warm-up runs out of memory is left out (its steps run eagerly)."""
+        """Captures every bucket into one shared memory pool, largest first so the smaller ones
+        reuse its memory. Buffers hold padding only, so nothing writes real KV.
+
+        First every bucket's forward runs once eagerly on a side stream: lazy initialisation
+        (cuBLAS workspaces, kernel choice) must not happen inside a graph. Each warm-up frees its
+        memory before the next, so they never need more than the largest bucket's peak, which
+        ModelRunner kept out of the KV cache; the pool then holds that peak once. A bucket whose
+        warm-up runs out of memory is left out (its steps run eagerly). A failure inside a
+        capture raises (ModelRunner then runs every step eagerly)."""
         if not self.capture:
             return
-        pool = torch.cuda.graph_pool_handle()
+        buckets = [(batch, width) for width in reversed(self.widths) for batch in reversed(self.batch_sizes)]
         side = torch.cuda.Stream(self.device)
-        for width in reversed(self.widths):
-            for batch in reversed(self.batch_sizes):
-                self._fill([], [], batch, width)
-                # Warm up off the capture: lazy initialisation (cuBLAS workspaces, autotuning) must
-                # not happen inside the graph. Out of memory here, the bucket is too big to keep.
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                try:
-                    with torch.cuda.stream(side):
-                        self._forward(batch, width)
-                except torch.cuda.OutOfMemoryError:
-                    logger.warning("decode bucket of %d sequences x %d blocks does not fit in memory; "
-                                   "such steps run eagerly", batch, width)
-                    torch.cuda.synchronize(self.device)
-                    torch.cuda.empty_cache()
-                    continue
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._logits[:batch].copy_(self._forward(batch, width))
-                self._graphs[(batch, width)] = graph
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fitting = [bucket for bucket in buckets if self._warms_up(*bucket)]
+        torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the warm-ups' memory back to the device, for the graphs' pool
+        pool = torch.cuda.graph_pool_handle()
+        for batch, width in fitting:
+            self._fill([], [], batch, width)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[:batch].copy_(self._forward(batch, width))
+            self._graphs[(batch, width)] = graph
+        torch.cuda.synchronize(self.device)
+
+    def _warms_up(self, batch: int, width: int) -> bool:
+        self._fill([], [], batch, width)
+        try:
+            self._forward(batch, width)
+        except torch.cuda.OutOfMemoryError:
+            logger.warning("decode bucket of %d sequences x %d blocks does not fit in memory; such steps run "
+                           "eagerly", batch, width)
+            return False
+        return True
 
     @torch.inference_mode()
     def run(self, decodes: Sequence[tuple[Sequence[int], int]], input_ids: Sequence[int]) -> torch.Tensor | None:
@@ -274,7 +284,8 @@ class DecodeGraphRunner:
         rows = min(batch, kv.num_blocks - 1)
         decodes = []
         for row in range(rows):
-            context_len = int(torch.randint(0, width * bs, (1,), generator=gen))
+            # Within the bucket and the model's positions (max_model_len need not fill its last block).
+            context_len = int(torch.randint(0, min(width * bs, self.max_model_len), (1,), generator=gen))
             used = context_len // bs + 1
             table = torch.randint(0, kv.num_blocks, (used,), generator=gen).tolist()
             table[-1] = 1 + row

@@ -16,7 +16,7 @@ import grpc
 import torch
 
 from model_worker.block_manager import BlockManager
-from model_worker.device_transfer import tensor_on
+from model_worker.device_transfer import moved_to, tensor_on
 from model_worker.model_runner import ModelRunner
 from model_worker.sampling import Sampler, SamplerOutput, validate_sampling_params
 from model_worker.sampling.prompt_logprobs import PromptLogprobs
@@ -209,7 +209,7 @@ class LLMEngine:
         if not self._grammars:
             return None
         bitmask = self._bitmask_filler.fill([self._grammars.get(s.seq_id) for s in seqs])
-        return bitmask.to(self.runner.device, non_blocking=True) if bitmask is not None else None
+        return moved_to(self.runner.device, bitmask) if bitmask is not None else None
 
     def _advance_grammar(self, seq: Sequence, matcher: GrammarMatcher, token: int) -> None:
         """Moves the sample's grammar past its new token; a complete output ends with STOP (even

@@ -199,7 +199,8 @@ class ModelRunner:
         # The captured graphs keep the largest decode bucket's peak memory: measured here, it is
         # left out of the KV cache's share of the GPU (vLLM profiles a run for the same reason).
         graph_bytes = (self._largest_decode_bucket_bytes(max_num_seqs, max_model_len, block_size, window)
-                       if decode_graphs and device.type == "cuda" else 0)
+                       if decode_graphs and device.type == "cuda" and not kv_cache_tokens and not kv_cache_memory_bytes
+                       else 0)
         # Sized after the weights are on the device, so a CUDA budget sees what is left.
         bytes_per_token = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, dtype)
         num_blocks = num_kv_blocks(bytes_per_token, block_size, max_num_seqs, max_model_len, device, kv_cache_tokens,
@@ -223,23 +224,31 @@ class ModelRunner:
 
     def _largest_decode_bucket_bytes(self, max_num_seqs: int, max_model_len: int, block_size: int,
                                      window: int) -> int:
-        """Peak device memory of the largest decode bucket's forward (CUDA), run on a one-block
-        cache: every block table entry is block 0, and the gather's size does not depend on
-        which block it reads."""
+        """Device memory the graphs will hold (CUDA): the largest decode bucket's forward, run on a
+        one-block cache (every block table entry is block 0, and the gather's size does not
+        depend on which block it reads), with the runner's own buffers (the probe's stand in
+        for them), as the allocator reserved it (its rounding included). 0 when even that does
+        not fit: capture then leaves out the buckets that do not."""
         s = self.shape
-        probe_cache = PagedKVCache(s.num_layers, 1, block_size, s.num_kv_heads, s.head_dim, self.dtype, self.device,
-                                   padding_block=True)
-        probe = DecodeGraphRunner(self.model, probe_cache, max_num_seqs, max_model_len, s.vocab_size, self.device,
-                                  window, capture=False)
         torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        probe.warm_up_largest()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del probe, probe_cache
         torch.cuda.empty_cache()
-        logger.info("largest decode bucket's forward peaks at %.1f MiB; kept out of the KV cache", peak / 2**20)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        try:
+            probe_cache = PagedKVCache(s.num_layers, 1, block_size, s.num_kv_heads, s.head_dim, self.dtype,
+                                       self.device, padding_block=True)
+            probe = DecodeGraphRunner(self.model, probe_cache, max_num_seqs, max_model_len, s.vocab_size,
+                                      self.device, window, capture=False)
+            probe.warm_up_largest()
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_reserved(self.device) - before
+        except torch.cuda.OutOfMemoryError:
+            logger.warning("the largest decode bucket's forward does not fit next to the weights; no memory is "
+                           "kept for CUDA graphs")
+            peak = 0
+        probe = probe_cache = None
+        torch.cuda.empty_cache()
+        logger.info("CUDA graphs: %.1f MiB kept out of the KV cache (the largest decode bucket's peak)", peak / 2**20)
         return peak
 
     def _captured_decode_graphs(self, max_num_seqs: int, max_model_len: int, window: int) -> DecodeGraphRunner | None:

@@ -68,8 +68,8 @@ def test_model_runner_refuses_the_flag_for_other_architectures(tmp_path):
                     batch_invariant=True)
 
 
-@pytest.mark.parametrize("full_sort", [False, True], ids=["topk_then_spill", "full_sort"])
-def test_topk_lowest_id_first_orders_ties_by_id_whatever_k(full_sort):
+@pytest.mark.parametrize("packed", [False, True], ids=["topk_then_spill", "packed_keys"])
+def test_topk_lowest_id_first_orders_ties_by_id_whatever_k(packed):
     from model_worker.sampling.processors import topk_lowest_id_first
 
     gen = torch.Generator().manual_seed(2)
@@ -78,11 +78,14 @@ def test_topk_lowest_id_first_orders_ties_by_id_whatever_k(full_sort):
     x[0, [7, 3, 2999, 500]] = 9.0  # a 4-way tie at the top, cut by k = 2 and k = 3
     x[1] = 0.0  # every value tied: more ties than topk's candidates, the full-sort path
     x[2, 10:] = float("-inf")  # a filtered row: fewer finite values than some k
+    x[3] = -torch.randint(1, 4, (3000,), generator=gen).float()  # negative values, all tied in threes
+    x[4, ::2] = -0.0  # -0.0 and 0.0 compare equal: ties, ordered by id
+    x[4, 1::2] = 0.0
     expected_values, expected_ids = x.sort(dim=-1, descending=True, stable=True)
-    for k in (1, 2, 3, 5, 20):
-        values, ids = topk_lowest_id_first(x, k, full_sort)
+    for k in (1, 2, 3, 5, 20, 3000):
+        values, ids = topk_lowest_id_first(x, k, packed)
         assert torch.equal(ids, expected_ids[:, :k]) and torch.equal(values, expected_values[:, :k]), k
-    assert topk_lowest_id_first(x, 3, full_sort)[1][0].tolist() == [3, 7, 500]
+    assert topk_lowest_id_first(x, 3, packed)[1][0].tolist() == [3, 7, 500]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

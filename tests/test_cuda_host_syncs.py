@@ -58,4 +58,5 @@ def test_decode_steps_wait_for_the_device_once(tiny_model_dir, decode_graphs):
             syncs_per_step.append([str(w.message) for w in caught if "synchroniz" in str(w.message)])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert all(len(s) <= 1 for s in syncs_per_step), syncs_per_step
+    # Exactly one: SamplerOutput.to_host's stream sync (seen, so the warnings are being caught).
+    assert all(len(s) == 1 for s in syncs_per_step), syncs_per_step

@@ -160,6 +160,20 @@ def mirostat_v2_update(mu: torch.Tensor, chosen_log_prob: torch.Tensor, tau: tor
     return mu - eta * (observed - tau)
 
 
+def _topk_of_packed_keys(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S, V] float32 -> its k largest values per row and their ids, equal values lowest id
+    first, from one topk over int64 keys: the value's float32 bits, made to order as the floats
+    do, in the high half, and V - 1 - id in the low half, so a larger key is a larger value or
+    an equal value at a lower id. -0.0 counts as 0.0, as the float comparison does."""
+    num_ids = x.shape[-1]
+    bits = (x.float() + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 becomes 0.0
+    # Negative floats order backwards as signed integers: flip their magnitude bits.
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    low = num_ids - 1 - torch.arange(num_ids, device=x.device)
+    ids = ((ordered << 32) | low).topk(min(k, num_ids), dim=-1).indices
+    return x.gather(-1, ids), ids
+
+
 def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bitmask [S, ceil(V / 32)] int32, bit j of word w allowing token 32 * w + j (xgrammar's
     layout) -> allowed [S, V] bool."""
@@ -172,7 +186,7 @@ def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
 _TIE_MARGIN = 8
 
 
-def topk_lowest_id_first(x: torch.Tensor, k: int, full_sort: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_lowest_id_first(x: torch.Tensor, k: int, packed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [S, V] -> (values, ids) [S, k]: x.topk(k) with equal values in ascending id order.
 
     torch.topk leaves the order of equal values, and which of them make the cut at the k-th
@@ -181,14 +195,14 @@ def topk_lowest_id_first(x: torch.Tensor, k: int, full_sort: bool | None = None)
     was in its batch. k + _TIE_MARGIN candidates hold every value equal to the k-th unless the
     last candidate equals it too; only such rows pay for a full stable sort.
 
-    full_sort (default: off the CPU) gives the same answer from one stable sort of every row:
-    finding the rows that need it reads a count back, a host sync the sampler avoids on a GPU.
+    packed (default: off the CPU) gives the same answer from one topk over int64 keys, with no
+    host sync (finding the rows that need a full sort reads a count back, which the sampler
+    avoids on a GPU): see _topk_of_packed_keys.
     """
-    if full_sort is None:
-        full_sort = x.device.type != "cpu"
-    if full_sort:
-        values, ids = x.sort(dim=-1, descending=True, stable=True)
-        return values[:, :k], ids[:, :k]
+    if packed is None:
+        packed = x.device.type != "cpu"
+    if packed:
+        return _topk_of_packed_keys(x, k)
     num = min(k + _TIE_MARGIN, x.shape[-1])
     values, ids = x.topk(num, dim=-1)  # [S, num], descending
     spill = (values[:, -1] == values[:, k - 1]).nonzero()[:, 0] if num < x.shape[-1] else ids[:0, 0]
