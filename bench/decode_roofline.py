@@ -28,6 +28,7 @@ from bench.model_shapes import SHAPES, write_shape_dir
 from model_worker.engine import LLMEngine
 from model_worker.kv_cache import kv_bytes_per_token
 from model_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from model_worker.models.hf_fallback import HFCausalLM
 from model_worker.models.linear import Linear
 from model_worker.sequence import SamplingParams
 
@@ -118,7 +119,7 @@ def time_decode_steps(runner: ModelRunner, batch: int, context: int, steps: int,
     for step in range(total_steps):
         mode = modes[step % len(modes)]
         runner.decode_graphs = graphs if mode == "cuda_graphs" else None
-        context_now = min(s.num_tokens for s in engine.scheduler.running) - 1
+        context_now = statistics.fmean(s.num_tokens - 1 for s in engine.scheduler.running)
         began = time.perf_counter()
         outputs = engine.step()  # the sampler's host copy waits for the device: the step is done
         elapsed = time.perf_counter() - began
@@ -129,8 +130,6 @@ def time_decode_steps(runner: ModelRunner, batch: int, context: int, steps: int,
             times[mode].append(elapsed)
             contexts.append(context_now)
     runner.decode_graphs = graphs
-    for i in range(batch):
-        engine.abort_request(i)
     return times, statistics.fmean(contexts)
 
 
@@ -176,6 +175,9 @@ def main(argv: list[str] | None = None) -> dict:
                              kv_cache_tokens=max_batch * -(-max_model_len // BLOCK_SIZE) * BLOCK_SIZE,
                              block_size=BLOCK_SIZE,
                              decode_graphs=device.type == "cuda" and not args.no_cuda_graphs)
+    if isinstance(runner.model, HFCausalLM):
+        raise SystemExit(f"{model_dir}: architectures {runner.shape.architectures} run through the transformers "
+                         "fallback, whose weights this bench cannot count; use a Llama-family or GPT-2 config")
     s = runner.shape
     per_token = kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, dtype)
     weights = weight_bytes_per_step(runner.model)

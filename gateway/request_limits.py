@@ -68,13 +68,15 @@ async def with_deadline(events: AsyncGenerator[T, None], timeout_s: float) -> As
         return
     loop = asyncio.get_running_loop()
     waiting: asyncio.Task | None = None  # the task awaiting the next event, if one is
+    cancelled: asyncio.Task | None = None  # the task the timer cancelled, until that is taken back
     expired = False
 
     def expire() -> None:
-        nonlocal expired
+        nonlocal expired, cancelled
         expired = True
         if waiting is not None:
             waiting.cancel()
+            cancelled = waiting
 
     def timed_out() -> APIError:
         return APIError(504, f"the request did not finish within this server's request timeout of {timeout_s:g} s",
@@ -94,12 +96,17 @@ async def with_deadline(events: AsyncGenerator[T, None], timeout_s: float) -> As
                 except StopAsyncIteration:
                     return
                 except asyncio.CancelledError:
-                    # Ours only when the timer fired and nobody else also cancelled the task.
-                    if expired and waiting is not None and waiting.uncancel() == 0:
-                        raise timed_out() from None
+                    # Ours only when the timer cancelled the task and nobody else also did.
+                    if cancelled is not None:
+                        others = cancelled.uncancel()
+                        cancelled = None
+                        if others == 0:
+                            raise timed_out() from None
                     raise
                 finally:
                     waiting = None
                 yield event
     finally:
         timer.cancel()
+        if cancelled is not None:  # the inner stream swallowed the timer's cancel: take it back
+            cancelled.uncancel()

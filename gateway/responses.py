@@ -160,7 +160,7 @@ class _Responder:
     def stream_chunk_json(self, index: int, event: GenerationEvent, total: Usage | None = None,
                           with_usage: bool = True) -> str:
         """One stream chunk's JSON, with `usage` (total, or null) when with_usage. The common
-        chunk (text only: no logprobs, echo or prompt logprobs) is joined from cached parts,
+        chunk (text only: no logprobs, no echo still to show) is joined from cached parts,
         where building and dumping the pydantic models costs 4-9 us a token (measured); the
         others go through the models. tests/test_gateway_responses.py holds both to the same JSON."""
         choice = self._plain_choice_json(index, event)

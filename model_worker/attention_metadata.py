@@ -47,6 +47,17 @@ class DecodeBatch:
     # sliding-window layers; None when no sequence is longer than the window.
     window_mask: torch.Tensor | None = None
 
+    @classmethod
+    def masked(cls, start: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, key_positions: torch.Tensor,
+               sliding_window: int = 0) -> DecodeBatch:
+        """The batch with its masks computed on the device from seq_lens [B] and key_positions
+        [max_blocks * block_size] (0..L-1); a window mask when sliding_window > 0."""
+        mask = key_positions[None, :] < seq_lens[:, None]  # [B, L]
+        window_mask = None
+        if sliding_window > 0:
+            window_mask = (mask & (key_positions[None, :] >= seq_lens[:, None] - sliding_window))[:, None, None, :]
+        return cls(start, block_tables, mask[:, None, None, :], seq_lens, window_mask)
+
 
 @dataclass
 class AttentionMetadata:
@@ -93,18 +104,10 @@ class AttentionMetadata:
                 used = table[:context_len // block_size + 1]
                 rows.append(used + [0] * (max_blocks - len(used)))
             seq_lens = tensor_on(device, [context_len + 1 for _, context_len in decodes], torch.long)
-            key_pos = torch.arange(max_blocks * block_size, device=device)
-            mask = key_pos[None, :] < seq_lens[:, None]
-            window_mask = None
-            if 0 < sliding_window < max(context_len + 1 for _, context_len in decodes):
-                window_mask = (mask & (key_pos[None, :] >= seq_lens[:, None] - sliding_window))[:, None, None, :]
-            decode = DecodeBatch(
-                start=row,
-                block_tables=tensor_on(device, rows, torch.long),
-                mask=mask[:, None, None, :],
-                seq_lens=seq_lens,
-                window_mask=window_mask,
-            )
+            windowed = 0 < sliding_window < max(context_len + 1 for _, context_len in decodes)
+            decode = DecodeBatch.masked(row, tensor_on(device, rows, torch.long), seq_lens,
+                                        torch.arange(max_blocks * block_size, device=device),
+                                        sliding_window if windowed else 0)
         return cls(
             positions=tensor_on(device, positions, torch.long),
             slot_mapping=tensor_on(device, slots, torch.long),

@@ -63,7 +63,7 @@ class Config(WorkerServerOptions):
                 "cache in place (model_worker/kernels, compiled once into <cache-dir>/kernels at first start, "
                 "~20 s); off, or where it cannot be built: torch ops"})
     cuda_graphs: bool = field(default=False, metadata={
-        "help": "CUDA: replay decode steps of up to --max-num-seqs sequences from captured CUDA graphs "
+        "help": "CUDA: replay decode steps of up to min(--max-num-seqs, 256) sequences from captured CUDA graphs "
                 "(model_worker/cuda_graphs.py; checked against the eager forward at startup, eager if "
                 "capture fails). Off by default: not yet run on a GPU by this project"})
     seed: int = field(default=0, metadata={"help": "seed of the shared generator used by unseeded requests"})

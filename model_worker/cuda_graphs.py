@@ -155,15 +155,10 @@ class DecodeGraphRunner:
     def _forward(self, batch: int, width: int) -> torch.Tensor:
         """The bucket's forward on the static buffers -> logits [batch, V] (what a graph captures)."""
         m, bs = self._max_batch, self.kv.block_size
-        seq_lens = self._static[3 * m:3 * m + batch]
-        key_positions = self._key_positions[:width * bs]
-        mask = key_positions[None, :] < seq_lens[:, None]  # [B, W * bs]
-        window_mask = None
-        if self.sliding_window:
-            window_mask = (mask & (key_positions[None, :] >= seq_lens[:, None] - self.sliding_window))[:, None, None, :]
-        decode = DecodeBatch(start=0, block_tables=self._static[self._tables_at:self._tables_at + batch * width]
-                             .view(batch, width), mask=mask[:, None, None, :], seq_lens=seq_lens,
-                             window_mask=window_mask)
+        # The masks are computed inside the graph, from the lengths in the static buffer.
+        decode = DecodeBatch.masked(0, self._static[self._tables_at:self._tables_at + batch * width].view(batch, width),
+                                    self._static[3 * m:3 * m + batch], self._key_positions[:width * bs],
+                                    self.sliding_window)
         meta = AttentionMetadata(positions=self._static[m:m + batch], slot_mapping=self._static[2 * m:2 * m + batch],
                                  prefills=[], decode=decode, sliding_window=self.sliding_window)
         hidden = self.model.forward(self._static[:batch], meta, self.kv)

@@ -62,7 +62,7 @@ class PagedKVCache:
                  dtype: torch.dtype, device: torch.device, padding_block: bool = False) -> None:
         # padding_block: one more block past the num_blocks the block manager hands out, where
         # the padding rows of a CUDA graph's batch write (cuda_graphs.py); nothing reads it.
-        shape = (num_layers, num_blocks + padding_block, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks + (1 if padding_block else 0), block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.padding_slot = num_blocks * block_size if padding_block else None

@@ -195,7 +195,8 @@ class ModelRunner:
                                  f"not {s.architectures}")
             if batch_invariant:
                 raise ValueError("CUDA graphs pad the batch to captured sizes; they cannot be batch-invariant")
-        window = s.sliding_window if isinstance(s, LlamaShape) else 0
+        self.sliding_window = s.sliding_window if isinstance(s, LlamaShape) else 0
+        window = self.sliding_window
         # The captured graphs keep the largest decode bucket's peak memory: measured here, it is
         # left out of the KV cache's share of the GPU (vLLM profiles a run for the same reason).
         graph_bytes = (self._largest_decode_bucket_bytes(max_num_seqs, max_model_len, block_size, window)
@@ -289,13 +290,13 @@ class ModelRunner:
             src = tensor_on(self.device, [c.src for c in scheduled.block_copies], torch.long)
             dst = tensor_on(self.device, [c.dst for c in scheduled.block_copies], torch.long)
             self.kv_cache.copy_blocks(src, dst)
-        decodes = scheduled.decodes
-        if self.decode_graphs is not None and decodes and not scheduled.prefills:
+        decode_chunks = scheduled.decodes
+        if self.decode_graphs is not None and decode_chunks and not scheduled.prefills:
             # A decode's chunk is its last token: every row completes its sequence, and no prompt logits.
-            logits = self.decode_graphs.run([(c.seq.block_table, c.start) for c in decodes],
-                                            [c.seq.token_ids_from(c.start, 1)[0] for c in decodes])
+            logits = self.decode_graphs.run([(c.seq.block_table, c.start) for c in decode_chunks],
+                                            [c.seq.token_ids_from(c.start, 1)[0] for c in decode_chunks])
             if logits is not None:
-                return StepLogits(logits, list(range(len(decodes))))
+                return StepLogits(logits, list(range(len(decode_chunks))))
         input_ids: list[int] = []
         prefills: list[tuple[list[int], int, int]] = []
         decodes: list[tuple[list[int], int]] = []
@@ -312,8 +313,7 @@ class ModelRunner:
             if chunk.completes_sequence:
                 last_rows.append(row - 1)
                 chunk_indices.append(i)
-        window = self.shape.sliding_window if isinstance(self.shape, LlamaShape) else 0
-        meta = AttentionMetadata.build(prefills, decodes, self.kv_cache.block_size, self.device, window)
+        meta = AttentionMetadata.build(prefills, decodes, self.kv_cache.block_size, self.device, self.sliding_window)
         ids = tensor_on(self.device, input_ids, torch.long)
         hidden = self.model.forward(ids, meta, self.kv_cache)  # [T, hidden]
         rows = tensor_on(self.device, last_rows, torch.long)

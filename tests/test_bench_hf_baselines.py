@@ -25,8 +25,9 @@ def test_dummy_weights_run_the_workload(tiny_model_dir, tmp_path, mode):
 
 
 def test_dummy_weights_are_made_on_the_device_in_the_dtype(tiny_model_dir):
-    model = hf_baselines.load_model(tiny_model_dir, "dummy", torch.device("cpu"), torch.bfloat16)
+    # "meta" stands in for a GPU: a model made on the host and not moved would be on "cpu".
+    model = hf_baselines.load_model(tiny_model_dir, "dummy", torch.device("meta"), torch.bfloat16)
     config = json.loads((tiny_model_dir / "config.json").read_text())
     assert model.config.num_hidden_layers == config["num_hidden_layers"]
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert {p.device.type for p in model.parameters()} == {"meta"}

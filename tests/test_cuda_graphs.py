@@ -19,6 +19,7 @@ from model_worker.engine import LLMEngine
 from model_worker.model_runner import ModelRunner
 from model_worker.sequence import SamplingParams
 from tests.test_model_gpt2 import tiny_gpt2
+from tests.test_model_hf_fallback import tiny_model
 from tests.test_model_llama_variants import WINDOW, tiny
 from tests.tiny_hf_models import PROMPTS, engine_greedy
 
@@ -123,7 +124,10 @@ def test_prefill_steps_run_eagerly_and_outputs_equal_the_plain_runner(tiny_model
             assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
 
 
-def test_transformers_fallback_and_batch_invariance_refuse_graphs(tiny_model_dir):
+def test_transformers_fallback_and_batch_invariance_refuse_graphs(tiny_model_dir, tmp_path):
+    _, neox_dir = tiny_model(tmp_path, tiny_model_dir, "GPTNeoXForCausalLM")
+    with pytest.raises(ValueError, match="only for natively run architectures"):
+        ModelRunner(neox_dir, "auto", CPU, torch.float32, max_num_seqs=4, max_model_len=64, decode_graphs=True)
     with pytest.raises(ValueError, match="batch-invariant"):
         ModelRunner(tiny_model_dir, "dummy", CPU, torch.float32, max_num_seqs=4, max_model_len=64,
                     batch_invariant=True, decode_graphs=True)

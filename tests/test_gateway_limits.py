@@ -114,22 +114,27 @@ def test_deadline_follows_the_consumer_to_another_task():
     """The route awaits the first event in its task, Starlette's response task the rest."""
     async def slow():
         yield 1
-        await asyncio.sleep(10)
+        await asyncio.sleep(30)
         yield 2
 
-    async def run() -> APIError:
+    async def run() -> tuple[APIError, float]:
+        started = asyncio.get_running_loop().time()
         events = with_deadline(slow(), 0.2)
-        assert await anext(events) == 1
 
-        async def rest() -> None:
-            async for _ in events:
-                pass
+        async def first() -> int:
+            return await anext(events)
 
+        # The first event in a task that has ended by the time the deadline passes: a timer
+        # that cancelled that task instead of the one now waiting would never end the stream.
+        assert await asyncio.create_task(first()) == 1
         with pytest.raises(APIError) as info:
-            await asyncio.create_task(rest())
-        return info.value
+            async with asyncio.timeout(3):  # well before slow() would go on by itself
+                async for _ in events:
+                    pass
+        return info.value, asyncio.get_running_loop().time() - started
 
-    assert asyncio.run(run()).status == 504
+    error, elapsed = asyncio.run(run())
+    assert error.status == 504 and elapsed < 1.5  # at the deadline, not at the outer timeout
 
 
 def test_a_cancellation_that_is_not_the_deadline_stays_a_cancellation():
@@ -150,6 +155,26 @@ def test_a_cancellation_that_is_not_the_deadline_stays_a_cancellation():
             await task
 
     asyncio.run(run())
+
+
+def test_a_cancel_the_inner_stream_swallows_is_taken_back():
+    async def stubborn():
+        yield 1
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass  # swallowed: the stream goes on
+        yield 2
+
+    async def run() -> tuple[list[int], int]:
+        got = []
+        with pytest.raises(APIError):
+            async for event in with_deadline(stubborn(), 0.1):
+                got.append(event)
+        return got, asyncio.current_task().cancelling()
+
+    got, cancelling = asyncio.run(run())
+    assert got == [1, 2] and cancelling == 0  # no cancel left pending on the task
 
 
 def test_no_deadline_passes_everything_through():
