@@ -223,15 +223,21 @@ class ChatResponder(_Responder):
         return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
                 for i in range(n)]
 
+    @staticmethod
+    def _delta_content(event: GenerationEvent) -> str | None:
+        """The delta's content: None (no key) only on a last event without text."""
+        return event.text if event.text or event.finish_reason is None else None
+
     def _plain_choice_json(self, index: int, event: GenerationEvent) -> str | None:
         if self.logprobs:
             return None
-        delta = f'{{"content":{_json_text(event.text)}}}' if event.text or event.finish_reason is None else "{}"
+        content = self._delta_content(event)
+        delta = "{}" if content is None else f'{{"content":{_json_text(content)}}}'
         return (f'{{"index":{index},"delta":{delta},"logprobs":null,'
                 f'"finish_reason":{_json_text(event.finish_reason)}}}')
 
     def chunk(self, index: int, event: GenerationEvent) -> ChatCompletionChunk:
-        delta = ChatDelta(content=event.text if event.text or event.finish_reason is None else None)
+        delta = ChatDelta(content=self._delta_content(event))
         return self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(event),
                                             finish_reason=event.finish_reason)])
 

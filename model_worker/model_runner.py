@@ -196,10 +196,9 @@ class ModelRunner:
             if batch_invariant:
                 raise ValueError("CUDA graphs pad the batch to captured sizes; they cannot be batch-invariant")
         self.sliding_window = s.sliding_window if isinstance(s, LlamaShape) else 0
-        window = self.sliding_window
         # The captured graphs keep the largest decode bucket's peak memory: measured here, it is
         # left out of the KV cache's share of the GPU (vLLM profiles a run for the same reason).
-        graph_bytes = (self._largest_decode_bucket_bytes(max_num_seqs, max_model_len, block_size, window)
+        graph_bytes = (self._largest_decode_bucket_bytes(max_num_seqs, max_model_len, block_size)
                        if decode_graphs and device.type == "cuda" and not kv_cache_tokens and not kv_cache_memory_bytes
                        else 0)
         # Sized after the weights are on the device, so a CUDA budget sees what is left.
@@ -221,10 +220,9 @@ class ModelRunner:
         # (on a CPU the same padded static-shape forward runs eagerly: the tests' way in).
         self.decode_graphs: DecodeGraphRunner | None = None
         if decode_graphs:
-            self.decode_graphs = self._captured_decode_graphs(max_num_seqs, max_model_len, window)
+            self.decode_graphs = self._captured_decode_graphs(max_num_seqs, max_model_len)
 
-    def _largest_decode_bucket_bytes(self, max_num_seqs: int, max_model_len: int, block_size: int,
-                                     window: int) -> int:
+    def _largest_decode_bucket_bytes(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
         """Device memory the graphs will hold (CUDA): the largest decode bucket's forward, run on a
         one-block cache (every block table entry is block 0, and the gather's size does not
         depend on which block it reads), with the runner's own buffers (the probe's stand in
@@ -239,7 +237,7 @@ class ModelRunner:
             probe_cache = PagedKVCache(s.num_layers, 1, block_size, s.num_kv_heads, s.head_dim, self.dtype,
                                        self.device, padding_block=True)
             probe = DecodeGraphRunner(self.model, probe_cache, max_num_seqs, max_model_len, s.vocab_size,
-                                      self.device, window, capture=False)
+                                      self.device, self.sliding_window, capture=False)
             probe.warm_up_largest()
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_reserved(self.device) - before
@@ -252,9 +250,9 @@ class ModelRunner:
         logger.info("CUDA graphs: %.1f MiB kept out of the KV cache (the largest decode bucket's peak)", peak / 2**20)
         return peak
 
-    def _captured_decode_graphs(self, max_num_seqs: int, max_model_len: int, window: int) -> DecodeGraphRunner | None:
+    def _captured_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> DecodeGraphRunner | None:
         graphs = DecodeGraphRunner(self.model, self.kv_cache, max_num_seqs, max_model_len, self.shape.vocab_size,
-                                   self.device, window)
+                                   self.device, self.sliding_window)
         if not graphs.capture:
             return graphs
         started = time.perf_counter()

@@ -133,11 +133,10 @@ def _fill(previous: torch.Tensor | None, reuse: list[int | None], seqs: list[Seq
 
 def _counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[R, V] int32 occurrence counts, one scatter for all rows."""
-    rows = torch.tensor([r for r, tokens in enumerate(token_lists) for _ in tokens], dtype=torch.long)
-    ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
+    rows = tensor_on(device, [r for r, tokens in enumerate(token_lists) for _ in tokens], torch.long)
+    ids = tensor_on(device, [t for tokens in token_lists for t in tokens], torch.long)
     counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.int32, device=device)
-    counts.index_put_((moved_to(device, rows), moved_to(device, ids)), torch.ones(len(ids), dtype=torch.int32, device=device),
-                      accumulate=True)
+    counts.index_put_((rows, ids), torch.ones(len(ids), dtype=torch.int32, device=device), accumulate=True)
     return counts
 
 
