@@ -53,15 +53,17 @@ class Config(WorkerServerOptions):
         "help": "glibc malloc keeps freed scratch memory for the next step instead of unmapping it "
                 "(see model_worker/host_memory.py; off: glibc's defaults)"})
     int8_small_batch: bool = field(default=False, metadata={
-        "help": "CPU + bfloat16: also keep weight-only int8 weights and use them for steps of <= 4 tokens "
-                "(2-3x faster single-stream decode, +50%% weight memory, int8 rounding on those steps)"})
+        "help": "CPU + bfloat16: also keep weight-only int8 weights and use them for steps of <= 8 tokens "
+                "(<= 4 where the C++ kernel cannot be built; 2-3x faster single-stream decode, +50%% weight "
+                "memory, int8 rounding on those steps)"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "bitwise-identical tokens and logprobs for a request whatever else is batched with it "
                 "(fixed-shape GEMMs, attention one query at a time); trades speed for it, Llama family only"})
     cpu_decode_kernel: bool = field(default=True, metadata={
         "help": "CPU + bfloat16 on AVX512-BF16: decode attention in a C++ kernel that reads the paged KV "
-                "cache in place (model_worker/kernels, compiled once into <cache-dir>/kernels at first start, "
-                "~20 s); off, or where it cannot be built: torch ops"})
+                "cache in place, and with --int8-small-batch on AVX512-VNNI the int8 matmuls too "
+                "(model_worker/kernels, each compiled once into <cache-dir>/kernels at first start, "
+                "~20 s); off, or where they cannot be built: torch ops"})
     cuda_graphs: bool = field(default=False, metadata={
         "help": "CUDA: replay decode steps of up to min(--max-num-seqs, 256) sequences from captured CUDA graphs "
                 "(model_worker/cuda_graphs.py; checked against the eager forward at startup, eager if "

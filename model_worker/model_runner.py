@@ -22,6 +22,7 @@ from model_worker.cuda_graphs import DecodeGraphRunner
 from model_worker.device_transfer import tensor_on
 from model_worker.kernels import (
     DEFAULT_BUILD_ROOT,
+    int8_linear_module,
     paged_decode_attention_fits,
     paged_decode_attention_module,
 )
@@ -184,11 +185,13 @@ class ModelRunner:
             on_gpu = device.type == "cuda"
             weights = (dummy_weights(s, device=device if on_gpu else None, dtype=dtype if on_gpu else torch.float32)
                        if load_format == "dummy" else load_weights(model_dir))
-            model_class = GPT2Model if isinstance(s, GPT2Shape) else LlamaModel
-            if model_class is LlamaModel:
-                self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant)
+            # The int8 matmul kernel where it builds (--cpu-decode-kernel covers both C++ kernels).
+            int8_kernel = (int8_linear_module(kernel_build_root)
+                           if int8_small_batch and cpu_decode_kernel and device.type == "cpu" else None)
+            if isinstance(s, GPT2Shape):
+                self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel)
             else:
-                self.model = model_class(s, weights, device, dtype, int8_small_batch)
+                self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel)
         if decode_graphs:
             if isinstance(s, HFShape):
                 raise ValueError("CUDA graphs are only for natively run architectures (Llama family, GPT-2), "

@@ -26,6 +26,7 @@ from model_worker.config import DEFAULT_CACHE_DIR
 logger = logging.getLogger(__name__)
 
 PAGED_DECODE_ATTENTION_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+INT8_LINEAR_SOURCE = Path(__file__).with_name("int8_linear.cpp")
 DEFAULT_BUILD_ROOT = DEFAULT_CACHE_DIR / "kernels"  # the model worker's default --cache-dir
 
 
@@ -103,11 +104,23 @@ def paged_decode_attention_fits(head_dim: int, query_heads_per_kv_head: int) -> 
     return head_dim % 32 == 0 and head_dim <= 128 and query_heads_per_kv_head <= 16
 
 
+def _vectorized_module(source: Path, required_flags: set[str], build_root: Path, what: str) -> ModuleType | None:
+    """The built module, or None where it cannot be built or compiled without its instructions."""
+    module = _build(source, required_flags, build_root)
+    if module is not None and not module.vectorized():
+        logger.warning("%s compiled without %s; using torch ops", source.name, what)
+        return None
+    return module
+
+
 @functools.cache
 def paged_decode_attention_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
     """The AVX512-BF16 paged decode attention (paged_decode_attention.cpp), or None."""
-    module = _build(PAGED_DECODE_ATTENTION_SOURCE, {"avx512f", "avx512_bf16"}, build_root)
-    if module is not None and not module.vectorized():
-        logger.warning("%s compiled without AVX512-BF16; using torch ops", PAGED_DECODE_ATTENTION_SOURCE.name)
-        return None
-    return module
+    return _vectorized_module(PAGED_DECODE_ATTENTION_SOURCE, {"avx512f", "avx512_bf16"}, build_root, "AVX512-BF16")
+
+
+@functools.cache
+def int8_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
+    """The AVX512-VNNI weight-only int8 matmul for small steps (int8_linear.cpp), or None."""
+    return _vectorized_module(INT8_LINEAR_SOURCE, {"avx512f", "avx512bw", "avx512_vnni"}, build_root,
+                              "AVX512-BW/VNNI")

@@ -7,19 +7,28 @@ CPUs (SmolLM2's decode step: 1.14x at 32 streams, 1.27x at 1; bench/bench_packed
 float32 stays on F.linear (MKL): oneDNN would be faster there too, but not bitwise equal.
 
 At one to a few tokens a step reads every weight once and does little math, so it is bound by
-memory bandwidth: int8 weights (per output channel scales, torch's _weight_int8pack_mm) halve
-the bytes of bf16 and measured 2-3x faster at 1 token on this project's CPUs. From about 8
-tokens on, bf16 GEMMs (AVX512-BF16) win, so larger steps keep using the bf16 weights; the
-int8 copy costs half the bf16 weights' memory again.
+memory bandwidth: int8 weights (per output channel scales) halve the bytes of bf16 and measured
+2-3x faster at 1 token on this project's CPUs. From about 8 tokens on, bf16 GEMMs
+(AVX512-BF16) win, so larger steps keep using the bf16 weights; the int8 copy costs half the
+bf16 weights' memory again. The int8 matmul is model_worker/kernels/int8_linear.cpp where it
+builds (AVX512-VNNI, weights packed in 4-row blocks: 1.4-1.6x torch's _weight_int8pack_mm over
+a decode step's weights), else torch's op on the plain int8 rows.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 
-# Steps of at most this many tokens use the int8 copy (crossover measured near 8 tokens).
+# Steps of at most this many tokens use the int8 copy: with torch's op (its crossover with
+# bf16 measured near 8 tokens), and with kernels/int8_linear.cpp (SmolLM2 decode steps at 8
+# tokens: 15.0 ms against bf16's 18.8; the two meet near 12).
 INT8_MAX_TOKENS = 4
+INT8_KERNEL_MAX_TOKENS = 8
+# kernels/int8_linear.cpp's packed layout: blocks of this many output rows by this many columns.
+INT8_PACK_ROWS, INT8_PACK_COLS = 4, 32
 # --batch-invariant: every GEMM has this many rows. Smaller tiles waste less on a 1-token
 # decode, larger ones run prefill faster; 16 kept float32 within ~2x of the default at 32 rows.
 BATCH_INVARIANT_ROW_TILE = 16
@@ -31,6 +40,15 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     scales = w32.abs().amax(dim=1).clamp(min=1e-8) / 127.0
     quantized = torch.round(w32 / scales[:, None]).clamp(-127, 127).to(torch.int8)
     return quantized.contiguous(), scales.to(weight.dtype)
+
+
+def pack_int8_weight(quantized: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [ceil(N/4), Kp/32, 4, 32], Kp = K rounded up to 32: each block of 4 output
+    rows one contiguous stream, as kernels/int8_linear.cpp reads it (zero rows and columns pad)."""
+    n, k = quantized.shape
+    padded = F.pad(quantized, (0, -k % INT8_PACK_COLS, 0, -n % INT8_PACK_ROWS))
+    blocks, cols = padded.shape[0] // INT8_PACK_ROWS, padded.shape[1] // INT8_PACK_COLS
+    return padded.view(blocks, INT8_PACK_ROWS, cols, INT8_PACK_COLS).permute(0, 2, 1, 3).contiguous()
 
 
 def int8_small_batch_supported(weight: torch.Tensor) -> bool:
@@ -57,21 +75,29 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
 class Linear:
     """y [T, N] = x [T, K] @ weight [N, K]^T (+ bias); `weight` is None when only the packed copy is kept."""
 
-    __slots__ = ("weight", "packed_weight", "bias", "int8_weight", "int8_scales", "row_tile")
+    __slots__ = ("weight", "packed_weight", "bias", "int8_weight", "int8_scales", "int8_matmul", "int8_max_tokens",
+                 "row_tile")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_small_batch: bool = False,
-                 row_tile: int = 0):
+                 row_tile: int = 0, int8_kernel: ModuleType | None = None):
+        """int8_kernel: kernels.int8_linear_module(), or None for torch's int8 op."""
         self.weight = weight
         self.bias = bias
         # > 0: batch-invariant mode, every GEMM has exactly row_tile rows (see _tiled).
         self.row_tile = row_tile
-        self.int8_weight = self.int8_scales = None
+        self.int8_weight = self.int8_scales = self.int8_matmul = None
+        self.int8_max_tokens = 0
         if int8_small_batch and row_tile:
             raise ValueError("int8 small-batch weights switch kernels with the step's size; not batch-invariant")
         if int8_small_batch:
             if not int8_small_batch_supported(weight):
                 raise ValueError("int8 small-batch weights need bfloat16 weights on the CPU")
             self.int8_weight, self.int8_scales = quantize_int8_per_channel(weight)
+            if int8_kernel is not None:
+                self.int8_weight = pack_int8_weight(self.int8_weight)
+                self.int8_matmul, self.int8_max_tokens = int8_kernel.int8_linear, INT8_KERNEL_MAX_TOKENS
+            else:
+                self.int8_matmul, self.int8_max_tokens = torch.ops.aten._weight_int8pack_mm, INT8_MAX_TOKENS
         # Batch-invariant mode keeps the plain GEMMs it was validated with.
         self.packed_weight = None if row_tile else pack_for_onednn(weight)
         if self.packed_weight is not None:
@@ -82,8 +108,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_tile:
             return self._tiled(x)
-        if self.int8_weight is not None and x.shape[0] <= INT8_MAX_TOKENS:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.int8_weight, self.int8_scales)
+        if 0 < x.shape[0] <= self.int8_max_tokens:
+            y = self.int8_matmul(x, self.int8_weight, self.int8_scales)
             return y if self.bias is None else y + self.bias
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

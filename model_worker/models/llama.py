@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +122,8 @@ class LlamaModel:
     """Weights as plain tensors; forward(input_ids [T], metadata) -> hidden [T, hidden]."""
 
     def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, int8_small_batch: bool = False, batch_invariant: bool = False) -> None:
+                 dtype: torch.dtype, int8_small_batch: bool = False, batch_invariant: bool = False,
+                 int8_kernel: ModuleType | None = None) -> None:
         self.shape = shape
         self.device = device
         self.dtype = dtype
@@ -146,11 +148,11 @@ class LlamaModel:
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             self.layers.append({
                 "input_norm": take(p + "input_layernorm.weight"),
-                "qkv": Linear(qkv, qkv_bias, int8_small_batch, row_tile),
-                "o": Linear(take(p + "self_attn.o_proj.weight"), None, int8_small_batch, row_tile),
+                "qkv": Linear(qkv, qkv_bias, int8_small_batch, row_tile, int8_kernel),
+                "o": Linear(take(p + "self_attn.o_proj.weight"), None, int8_small_batch, row_tile, int8_kernel),
                 "post_norm": take(p + "post_attention_layernorm.weight"),
-                "gate_up": Linear(gate_up, None, int8_small_batch, row_tile),
-                "down": Linear(take(p + "mlp.down_proj.weight"), None, int8_small_batch, row_tile),
+                "gate_up": Linear(gate_up, None, int8_small_batch, row_tile, int8_kernel),
+                "down": Linear(take(p + "mlp.down_proj.weight"), None, int8_small_batch, row_tile, int8_kernel),
             })
             if s.qk_norm:
                 # q's and k's per-head norm weights stacked [H + Hkv, D], to norm qk in one op.
@@ -158,9 +160,9 @@ class LlamaModel:
                                                         take(p + "self_attn.k_norm.weight").expand(s.num_kv_heads, -1)])
         self.norm = take("model.norm.weight")
         if s.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = Linear(self.embed, None, int8_small_batch, row_tile)
+            self.lm_head = Linear(self.embed, None, int8_small_batch, row_tile, int8_kernel)
         else:
-            self.lm_head = Linear(take("lm_head.weight"), None, int8_small_batch, row_tile)
+            self.lm_head = Linear(take("lm_head.weight"), None, int8_small_batch, row_tile, int8_kernel)
         # Rotary tables in float32 for every position, computed as transformers computes
         # them (outer product in float32, cos/sin, then cast) so positions match exactly.
         # Scaled rope types change inv_freq, and yarn scales cos and sin (attention_factor).
