@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 PAGED_DECODE_ATTENTION_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
 INT8_LINEAR_SOURCE = Path(__file__).with_name("int8_linear.cpp")
+RMS_NORM_SOURCE = Path(__file__).with_name("rms_norm.cpp")
 DEFAULT_BUILD_ROOT = DEFAULT_CACHE_DIR / "kernels"  # the model worker's default --cache-dir
 
 
@@ -124,3 +125,9 @@ def int8_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | No
     """The AVX512-VNNI weight-only int8 matmul for small steps (int8_linear.cpp), or None."""
     return _vectorized_module(INT8_LINEAR_SOURCE, {"avx512f", "avx512bw", "avx512_vnni"}, build_root,
                               "AVX512-BW/VNNI")
+
+
+@functools.cache
+def rms_norm_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
+    """The AVX512-BF16 RMSNorm and residual-add + RMSNorm for bf16 rows (rms_norm.cpp), or None."""
+    return _vectorized_module(RMS_NORM_SOURCE, {"avx512f", "avx512_bf16"}, build_root, "AVX512-BF16")

@@ -113,6 +113,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): the residual add and the norm after it."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -123,7 +130,9 @@ class LlamaModel:
 
     def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, int8_small_batch: bool = False, batch_invariant: bool = False,
-                 int8_kernel: ModuleType | None = None) -> None:
+                 int8_kernel: ModuleType | None = None, norm_kernel: ModuleType | None = None) -> None:
+        """int8_kernel, norm_kernel: kernels.int8_linear_module() and kernels.rms_norm_module()
+        (CPU, bf16), or None for torch ops."""
         self.shape = shape
         self.device = device
         self.dtype = dtype
@@ -174,6 +183,12 @@ class LlamaModel:
         self.sin = (emb.sin() * attention_factor).to(device=device, dtype=dtype)
         self.sliding_layers = s.sliding_layers or (False,) * s.num_layers
         self.scale = 1.0 / math.sqrt(s.head_dim)
+        # The hidden-size norms, each fused with the residual add before it, as one C++ call on
+        # a bf16 CPU (kernels/rms_norm.cpp: ~8 torch ops each otherwise, most of a one-token
+        # step's time outside the matmuls).
+        use_kernel = norm_kernel is not None and device.type == "cpu" and dtype == torch.bfloat16
+        self.rms_norm = norm_kernel.rms_norm if use_kernel else rms_norm
+        self.add_rms_norm = norm_kernel.add_rms_norm if use_kernel else add_rms_norm
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache) -> torch.Tensor:
         s = self.shape
@@ -182,8 +197,9 @@ class LlamaModel:
         cos = self.cos.index_select(0, meta.positions)[:, None, :]  # [T, 1, D]
         sin = self.sin.index_select(0, meta.positions)[:, None, :]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        eps = s.rms_norm_eps
+        h = self.rms_norm(x, self.layers[0]["input_norm"], eps)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer["input_norm"], s.rms_norm_eps)
             qkv = layer["qkv"](h)  # [T, (H + 2 Hkv) D]
             # Rotary on q and k together ([T, H + Hkv, D]): half the ops of two separate calls,
             # which matters at decode, where per-op overhead is most of the step.
@@ -195,11 +211,11 @@ class LlamaModel:
             v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim)
             kv.write(i, meta.slot_mapping, k, v)
             attn = self.attention(i, q, k, v, meta, kv, self.scale, self.sliding_layers[i])  # [T, H * D]
-            x = x + layer["o"](attn)
-            h = rms_norm(x, layer["post_norm"], s.rms_norm_eps)
+            x, h = self.add_rms_norm(x, layer["o"](attn), layer["post_norm"], eps)
             gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-            x = x + layer["down"](F.silu(gate) * up)
-        return rms_norm(x, self.norm, s.rms_norm_eps)
+            next_norm = self.layers[i + 1]["input_norm"] if i + 1 < len(self.layers) else self.norm
+            x, h = self.add_rms_norm(x, layer["down"](F.silu(gate) * up), next_norm, eps)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, V] in float32 for the sampler."""
