@@ -66,11 +66,19 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# One server-sent event, as OpenAPI 3.2 describes text/event-stream items (HTML's event fields);
+# on 3.0/3.1 documents, `schema` is the per-event schema (what schemathesis checks each event of a
+# stream against). `data` holds a chunk's JSON, an error object's, or [DONE].
+SSE_EVENT_SCHEMA = {"type": "object", "required": ["data"],
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                                   "retry": {"type": "integer", "minimum": 0}}}
+
+
 def _generation_responses(full: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     return {200: {"model": full, "description": f"JSON, or with stream=true server-sent events: `data:` lines "
                                                 f"of {chunk.__name__} (an error object if the stream fails "
                                                 f"after it started), then `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                  "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}},
             **ERROR_RESPONSES}
 
 
