@@ -13,7 +13,6 @@ op is only used up to 4 rows). Needs a CPU where the kernel builds (AVX512-VNNI)
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,12 +22,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.bench_packed_linear import linear_layers  # noqa: E402
-from bench.workload import alternate_decode_steps, engine_bench_args, step_times_row  # noqa: E402
-from model_worker.__main__ import build_engine  # noqa: E402
-from model_worker.config import Config  # noqa: E402
+from bench.step_bench import run_step_bench  # noqa: E402
+from bench.workload import alternate_decode_steps  # noqa: E402
 from model_worker.models.linear import INT8_KERNEL_MAX_TOKENS, INT8_MAX_TOKENS  # noqa: E402
 from model_worker.sequence import SamplingParams  # noqa: E402
-from tokenwire.config_cli import parse_config  # noqa: E402
 
 
 def unpack_int8_weight(packed: torch.Tensor, num_rows: int, num_cols: int) -> torch.Tensor:
@@ -62,21 +59,8 @@ def bench_batch(engine, batch: int, steps: int, base_id: int) -> dict[str, list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--steps", type=int, default=60, help="timed decode steps per batch size (half each mode)")
-
-    args, worker_args = engine_bench_args(__doc__, argv, add_args)
-    batches = args.batch_sizes
-    if max(batches) > INT8_KERNEL_MAX_TOKENS:
-        raise SystemExit(f"--batch-sizes: the int8 path takes steps of at most {INT8_KERNEL_MAX_TOKENS} tokens")
-    config = parse_config(Config, argv=["--max-num-seqs", str(max(batches)), "--max-model-len",
-                                        str(32 + args.steps + 16), "--dtype", "bfloat16", "--int8-small-batch",
-                                        *worker_args])
-    engine, _, _, _ = build_engine(config)
-    print("| batch | int8 kernel step ms (median / best) | other step ms (median / best) | other / kernel |")
-    print("|---|---|---|---|")
-    for n, batch in enumerate(batches):
-        print(step_times_row(batch, bench_batch(engine, batch, args.steps, n * 10_000)), flush=True)
+    run_step_bench(__doc__, argv, "| batch | int8 kernel step ms (median / best) | other step ms (median / best) | "
+                   "other / kernel |", bench_batch, ["--int8-small-batch"], INT8_KERNEL_MAX_TOKENS)
 
 
 if __name__ == "__main__":

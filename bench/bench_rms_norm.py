@@ -13,19 +13,16 @@ Needs a CPU where the kernel builds (AVX512-BF16).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.workload import alternate_decode_steps, engine_bench_args, step_times_row  # noqa: E402
-from model_worker.__main__ import build_engine  # noqa: E402
-from model_worker.config import Config  # noqa: E402
+from bench.step_bench import run_step_bench  # noqa: E402
+from bench.workload import alternate_decode_steps  # noqa: E402
 from model_worker.models import llama  # noqa: E402
 from model_worker.sequence import SamplingParams  # noqa: E402
-from tokenwire.config_cli import parse_config  # noqa: E402
 
 
 def bench_batch(engine, batch: int, steps: int, base_id: int) -> dict[str, list[float]]:
@@ -44,18 +41,8 @@ def bench_batch(engine, batch: int, steps: int, base_id: int) -> dict[str, list[
 
 
 def main(argv: list[str] | None = None) -> None:
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--steps", type=int, default=60, help="timed decode steps per batch size (half each mode)")
-
-    args, worker_args = engine_bench_args(__doc__, argv, add_args)
-    batches = args.batch_sizes
-    config = parse_config(Config, argv=["--max-num-seqs", str(max(batches)), "--max-model-len",
-                                        str(32 + args.steps + 16), "--dtype", "bfloat16", *worker_args])
-    engine, _, _, _ = build_engine(config)
-    print("| batch | kernel norms step ms (median / best) | torch-op norms step ms (median / best) | torch / kernel |")
-    print("|---|---|---|---|")
-    for n, batch in enumerate(batches):
-        print(step_times_row(batch, bench_batch(engine, batch, args.steps, n * 10_000)), flush=True)
+    run_step_bench(__doc__, argv, "| batch | kernel norms step ms (median / best) | torch-op norms step ms "
+                   "(median / best) | torch / kernel |", bench_batch)
 
 
 if __name__ == "__main__":
