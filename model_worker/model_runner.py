@@ -23,9 +23,9 @@ from model_worker.device_transfer import tensor_on
 from model_worker.kernels import (
     DEFAULT_BUILD_ROOT,
     int8_linear_module,
+    llama_ops_module,
     paged_decode_attention_fits,
     paged_decode_attention_module,
-    rms_norm_module,
 )
 from model_worker.kv_cache import PagedKVCache, kv_bytes_per_token, num_kv_blocks
 from model_worker.models import gpt2
@@ -187,16 +187,17 @@ class ModelRunner:
             weights = (dummy_weights(s, device=device if on_gpu else None, dtype=dtype if on_gpu else torch.float32)
                        if load_format == "dummy" else load_weights(model_dir))
             # The C++ kernels where they build (--cpu-decode-kernel covers all of them): the int8
-            # matmul, and the bf16 norms (batch-invariant mode keeps the torch ops it was checked with).
+            # matmul, and the Llama layers' small bf16 ops (batch-invariant mode keeps the torch ops
+            # it was checked with).
             cpu_kernels = cpu_decode_kernel and device.type == "cpu"
             int8_kernel = int8_linear_module(kernel_build_root) if cpu_kernels and int8_small_batch else None
             if isinstance(s, GPT2Shape):
                 self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel)
             else:
-                norm_kernel = (rms_norm_module(kernel_build_root)
-                               if cpu_kernels and dtype == torch.bfloat16 and not batch_invariant else None)
+                llama_ops = (llama_ops_module(kernel_build_root)
+                             if cpu_kernels and dtype == torch.bfloat16 and not batch_invariant else None)
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel,
-                                        norm_kernel)
+                                        llama_ops)
         if decode_graphs:
             if isinstance(s, HFShape):
                 raise ValueError("CUDA graphs are only for natively run architectures (Llama family, GPT-2), "

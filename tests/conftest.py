@@ -68,6 +68,15 @@ def tiny_model_dir(smollm2_dir: Path, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture
+def head_dim_64_model_dir(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """The tiny random Llama with 64-wide heads (the C++ kernels' sizes), 2 layers."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
 def tiny_stack(tiny_model_dir: Path, max_model_len: int, **kwargs):
     """The three services on loopback over the tiny random model (a context manager)."""
     from tokenwire.stack import start_stack

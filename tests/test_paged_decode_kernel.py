@@ -141,17 +141,6 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
         kernels.paged_decode_attention_module.cache_clear()
 
 
-@pytest.fixture
-def head_dim_64_model_dir(tiny_model_dir, tmp_path):
-    """The tiny random Llama with 64-wide heads (the kernel's smallest), 2 layers."""
-    import json
-
-    config = json.loads((tiny_model_dir / "config.json").read_text())
-    config.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return tmp_path
-
-
 def test_runner_uses_the_kernel_for_bf16_on_cpu_only(head_dim_64_model_dir, tiny_model_dir):
     from model_worker.model_runner import ModelRunner
 

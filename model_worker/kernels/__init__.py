@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 PAGED_DECODE_ATTENTION_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
 INT8_LINEAR_SOURCE = Path(__file__).with_name("int8_linear.cpp")
-RMS_NORM_SOURCE = Path(__file__).with_name("rms_norm.cpp")
+LLAMA_OPS_SOURCE = Path(__file__).with_name("llama_ops.cpp")
 DEFAULT_BUILD_ROOT = DEFAULT_CACHE_DIR / "kernels"  # the model worker's default --cache-dir
 
 
@@ -128,6 +128,7 @@ def int8_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | No
 
 
 @functools.cache
-def rms_norm_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
-    """The AVX512-BF16 RMSNorm and residual-add + RMSNorm for bf16 rows (rms_norm.cpp), or None."""
-    return _vectorized_module(RMS_NORM_SOURCE, {"avx512f", "avx512_bf16"}, build_root, "AVX512-BF16")
+def llama_ops_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
+    """The Llama forward's AVX512-BF16 per-layer ops on bf16 rows (llama_ops.cpp: RMSNorm, residual
+    add + RMSNorm, rotary embedding + KV cache write), or None."""
+    return _vectorized_module(LLAMA_OPS_SOURCE, {"avx512f", "avx512_bf16"}, build_root, "AVX512-BF16")

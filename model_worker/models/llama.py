@@ -130,8 +130,8 @@ class LlamaModel:
 
     def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, int8_small_batch: bool = False, batch_invariant: bool = False,
-                 int8_kernel: ModuleType | None = None, norm_kernel: ModuleType | None = None) -> None:
-        """int8_kernel, norm_kernel: kernels.int8_linear_module() and kernels.rms_norm_module()
+                 int8_kernel: ModuleType | None = None, llama_ops: ModuleType | None = None) -> None:
+        """int8_kernel, llama_ops: kernels.int8_linear_module() and kernels.llama_ops_module()
         (CPU, bf16), or None for torch ops."""
         self.shape = shape
         self.device = device
@@ -183,33 +183,42 @@ class LlamaModel:
         self.sin = (emb.sin() * attention_factor).to(device=device, dtype=dtype)
         self.sliding_layers = s.sliding_layers or (False,) * s.num_layers
         self.scale = 1.0 / math.sqrt(s.head_dim)
-        # The hidden-size norms, each fused with the residual add before it, as one C++ call on
-        # a bf16 CPU (kernels/rms_norm.cpp: ~8 torch ops each otherwise, most of a one-token
-        # step's time outside the matmuls).
-        use_kernel = norm_kernel is not None and device.type == "cpu" and dtype == torch.bfloat16
-        self.rms_norm = norm_kernel.rms_norm if use_kernel else rms_norm
-        self.add_rms_norm = norm_kernel.add_rms_norm if use_kernel else add_rms_norm
+        # On a bf16 CPU, a layer's small ops as C++ calls (kernels/llama_ops.cpp; several torch ops
+        # each otherwise, most of a one-token step's time outside the matmuls): the hidden-size
+        # norms, each fused with the residual add before it, and the rotary embedding with the KV
+        # cache write (not where q and k are normed first, nor at a head size it does not take).
+        use_kernel = llama_ops is not None and device.type == "cpu" and dtype == torch.bfloat16
+        self.rms_norm = llama_ops.rms_norm if use_kernel else rms_norm
+        self.add_rms_norm = llama_ops.add_rms_norm if use_kernel else add_rms_norm
+        self.rope_and_cache = (llama_ops.rope_and_cache if use_kernel and not s.qk_norm and s.head_dim % 32 == 0
+                               else None)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache) -> torch.Tensor:
         s = self.shape
         num_tokens = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
-        cos = self.cos.index_select(0, meta.positions)[:, None, :]  # [T, 1, D]
-        sin = self.sin.index_select(0, meta.positions)[:, None, :]
+        rope_and_cache = self.rope_and_cache
+        if rope_and_cache is None:
+            cos = self.cos.index_select(0, meta.positions)[:, None, :]  # [T, 1, D]
+            sin = self.sin.index_select(0, meta.positions)[:, None, :]
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         eps = s.rms_norm_eps
         h = self.rms_norm(x, self.layers[0]["input_norm"], eps)
         for i, layer in enumerate(self.layers):
             qkv = layer["qkv"](h)  # [T, (H + 2 Hkv) D]
-            # Rotary on q and k together ([T, H + Hkv, D]): half the ops of two separate calls,
-            # which matters at decode, where per-op overhead is most of the step.
-            qk = qkv[:, :q_size + kv_size].view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim)
-            if s.qk_norm:
-                qk = rms_norm(qk, layer["qk_norm"], s.rms_norm_eps)
-            qk = qk * cos + rotate_half(qk) * sin
-            q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
             v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim)
-            kv.write(i, meta.slot_mapping, k, v)
+            if rope_and_cache is not None:
+                qk = rope_and_cache(qkv, meta.positions, self.cos, self.sin, kv.key[i], kv.value[i],
+                                    meta.slot_mapping, s.num_heads, s.num_kv_heads)  # [T, H + Hkv, D]
+            else:
+                # Rotary on q and k together ([T, H + Hkv, D]): half the ops of two separate
+                # calls, which matters at decode, where per-op overhead is most of the step.
+                qk = qkv[:, :q_size + kv_size].view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim)
+                if s.qk_norm:
+                    qk = rms_norm(qk, layer["qk_norm"], s.rms_norm_eps)
+                qk = qk * cos + rotate_half(qk) * sin
+                kv.write(i, meta.slot_mapping, qk[:, s.num_heads:], v)
+            q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
             attn = self.attention(i, q, k, v, meta, kv, self.scale, self.sliding_layers[i])  # [T, H * D]
             x, h = self.add_rms_norm(x, layer["o"](attn), layer["post_norm"], eps)
             gate, up = layer["gate_up"](h).chunk(2, dim=-1)
