@@ -8,7 +8,7 @@ matmuls, so both see the same machine load and nearly the same contexts. Prints 
 step times and the ratio. Batch sizes above 4 time the kernel against bf16 GEMMs instead (torch's
 op is only used up to 4 rows). Needs a CPU where the kernel builds (AVX512-VNNI).
 
-    .venv/bin/python bench/bench_int8_linear.py --batch-sizes 1,4 -- --num-threads 2
+    .venv/bin/python bench/bench_int8_linear.py --batch-sizes 1,2,4,8 -- --num-threads 2
 """
 
 from __future__ import annotations

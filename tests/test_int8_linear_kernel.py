@@ -108,6 +108,22 @@ def test_zero_rows_stay_zero_and_a_non_finite_row_only_spoils_itself():
 
 
 @needs_kernel
+def test_rows_of_tiny_or_huge_values_keep_their_range():
+    # amax / 32767 is subnormal in float below ~1e-34 (its inverse inf), and total * x_scale
+    # overflows a float before a small weight scale brings it back: both held in double.
+    ones, unit = torch.ones(4, 64, dtype=torch.int8), torch.ones(4, dtype=torch.bfloat16)
+    tiny = torch.zeros(1, 64, dtype=torch.bfloat16)
+    tiny[0, 0], tiny[0, 1] = 1e-36, 2.5e-37
+    exact = tiny.double().sum().item()
+    assert abs(module.int8_linear(tiny, pack_int8_weight(ones), unit)[0, 0].item() - exact) <= exact / 128
+    full, small = torch.full((4, 576), 127, dtype=torch.int8), torch.full((4,), 1e-4 / 127, dtype=torch.bfloat16)
+    huge = torch.full((1, 576), 1e36, dtype=torch.bfloat16)
+    got = module.int8_linear(huge, pack_int8_weight(full), small).double()
+    expected = _exact(huge, full, small)
+    assert got.isfinite().all() and ((got - expected).abs() <= expected.abs() / 128).all()
+
+
+@needs_kernel
 def test_refuses_what_it_was_not_built_for():
     quantized, scales = _int8_weight(8, 64, seed=5)
     packed = pack_int8_weight(quantized)

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from model_worker import kernels
+from model_worker import kernels, model_runner
 from model_worker.kv_cache import PagedKVCache
 from model_worker.model_runner import ModelRunner
 from model_worker.models import llama
@@ -72,6 +72,20 @@ def test_a_non_finite_row_only_spoils_itself():
 
 
 @needs_kernel
+def test_subnormals_round_as_torch_rounds():
+    # VCVTNEPS2BF16 would flush these to zero; torch's casts keep them.
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    x, delta = _rows(2, 64, 12), _rows(2, 64, 13)
+    x[0, 0], delta[0, 0] = 3e-38, -2.5e-38  # an add that cancels to a subnormal
+    x[1] = torch.full((64,), 1e-39).bfloat16()  # a row of subnormals, normed back up
+    x_sum, h = module.add_rms_norm(x, delta, weight, EPS)
+    expected_sum, expected_h = llama.add_rms_norm(x, delta, weight, EPS)
+    assert torch.equal(x_sum, expected_sum) and x_sum[0, 0] != 0
+    _assert_within_one_rounding(h, expected_h)
+    _assert_within_one_rounding(module.rms_norm(x, weight, EPS), llama.rms_norm(x, weight, EPS))
+
+
+@needs_kernel
 def test_refuses_what_it_was_not_built_for():
     x, weight = _rows(2, 64, 6), _rows(1, 64, 7)[0]
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -86,12 +100,16 @@ def test_refuses_what_it_was_not_built_for():
 
 @needs_kernel
 def test_the_llama_forward_uses_them_on_bf16_and_scores_prompts_like_the_torch_ops(head_dim_64_model_dir,
-                                                                                    tiny_model_dir):
-    def runner(cpu_decode_kernel: bool, dtype: torch.dtype = torch.bfloat16, model_dir=head_dim_64_model_dir):
-        return ModelRunner(model_dir, "dummy", torch.device("cpu"), dtype, 8, 64, kv_cache_tokens=512,
-                           cpu_decode_kernel=cpu_decode_kernel)
+                                                                                    tiny_model_dir, monkeypatch):
+    def runner(layer_ops: bool, dtype: torch.dtype = torch.bfloat16, model_dir=head_dim_64_model_dir):
+        # Only the layer ops switch: the paged decode attention kernel runs in both.
+        with monkeypatch.context() as patch:
+            if not layer_ops:
+                patch.setattr(model_runner, "llama_ops_module", lambda build_root: None)
+            return ModelRunner(model_dir, "dummy", torch.device("cpu"), dtype, 8, 64, kv_cache_tokens=512)
 
     with_kernel, torch_ops = runner(True), runner(False)
+    assert with_kernel.kv_cache.decode_kernel is not None and torch_ops.kv_cache.decode_kernel is not None
     assert with_kernel.model.add_rms_norm is module.add_rms_norm
     assert with_kernel.model.rope_and_cache is module.rope_and_cache
     assert torch_ops.model.add_rms_norm is llama.add_rms_norm and torch_ops.model.rope_and_cache is None

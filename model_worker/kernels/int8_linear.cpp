@@ -5,8 +5,9 @@
 // weights at memory bandwidth. torch's _weight_int8pack_mm widens each int8 to float and runs
 // float FMAs (4 instructions per 16 weights), and reads rows strided by K; at SmolLM2's
 // sizes it streamed 23-25 GB/s where a copy runs at ~43. Here:
-// - x's rows are quantized to int16 (symmetric, one scale per row; 2^-15 of the row's largest
-//   value, finer than the bf16 x itself) and the int8 weights widened to int16, so one
+// - x's rows are quantized to int16 (symmetric, one scale per row: a step of 2^-15 of the row's
+//   largest value, finer than bf16's own rounding for elements above 1/128 of it, and far below
+//   the int8 weights' error for the rest) and the int8 weights widened to int16, so one
 //   VPDPWSSD (AVX512-VNNI) does 32 multiply-adds;
 // - the weights are packed so a block of 4 output rows is one contiguous stream
 //   ([ceil(N/4), Kp/32, 4, 32], Kp = K rounded up to 32, zero-padded), which the hardware
@@ -55,7 +56,7 @@ bool vectorized() {
 #ifdef TOKENWIRE_INT8_LINEAR
 // One packed block (rows n0 .. n0+3) against all M rows of x.
 template <int M>
-void block(const int16_t* qx, int64_t Kp, const int8_t* wb, int64_t n0, int64_t N, const float* x_scales,
+void block(const int16_t* qx, int64_t Kp, const int8_t* wb, int64_t n0, int64_t N, const double* x_scales,
            const c10::BFloat16* w_scales, c10::BFloat16* y) {
   float total[kRows][M] = {};
   for (int64_t c0 = 0; c0 < Kp; c0 += kChunk) {
@@ -78,15 +79,19 @@ void block(const int16_t* qx, int64_t Kp, const int8_t* wb, int64_t n0, int64_t 
       for (int m = 0; m < M; ++m) total[r][m] += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[r][m]));
   }
   for (int r = 0; r < kRows && n0 + r < N; ++r) {
-    const float w_scale = static_cast<float>(w_scales[n0 + r]);
-    for (int m = 0; m < M; ++m) y[m * N + n0 + r] = c10::BFloat16(total[r][m] * x_scales[m] * w_scale);
+    // In double: x's scale may be tiny or huge, and total * x_scale alone could under- or
+    // overflow a float that the weight's scale would bring back into range.
+    const double w_scale = static_cast<float>(w_scales[n0 + r]);
+    for (int m = 0; m < M; ++m)
+      y[m * N + n0 + r] = c10::BFloat16(static_cast<float>(static_cast<double>(total[r][m]) * x_scales[m] * w_scale));
   }
 }
 
 // Rows of x in passes of at most 4 (more accumulators than registers otherwise); a block's
-// second pass reads its weights from L1 (4 rows x Kp bytes), so memory is still read once.
+// second pass reads its 4 x Kp weight bytes again from L1 or L2 (48 KiB of L1 here holds them up
+// to Kp = 12288), so memory is still read once.
 template <int M>
-void block_rows(const int16_t* qx, int64_t Kp, const int8_t* wb, int64_t n0, int64_t N, const float* x_scales,
+void block_rows(const int16_t* qx, int64_t Kp, const int8_t* wb, int64_t n0, int64_t N, const double* x_scales,
                 const c10::BFloat16* w_scales, c10::BFloat16* y) {
   if constexpr (M <= kGroup) {
     block<M>(qx, Kp, wb, n0, N, x_scales, w_scales, y);
@@ -97,7 +102,7 @@ void block_rows(const int16_t* qx, int64_t Kp, const int8_t* wb, int64_t n0, int
 }
 
 template <int M>
-void run(const int16_t* qx, int64_t Kp, const int8_t* w, int64_t num_blocks, int64_t N, const float* x_scales,
+void run(const int16_t* qx, int64_t Kp, const int8_t* w, int64_t num_blocks, int64_t N, const double* x_scales,
          const c10::BFloat16* w_scales, c10::BFloat16* y) {
   // Grain 8 blocks (32 rows): a 576-row matrix still splits over two threads.
   at::parallel_for(0, num_blocks, 8, [&](int64_t b0, int64_t b1) {
@@ -107,8 +112,9 @@ void run(const int16_t* qx, int64_t Kp, const int8_t* w, int64_t num_blocks, int
 #endif
 
 // x's rows as int16 with one scale each, zero-padded to Kp columns. A row holding a NaN or an
-// infinity gets a NaN scale, so its outputs are NaN as a float matmul's would be.
-void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, int16_t* qx, float* scales) {
+// infinity gets a NaN scale, so all its outputs are NaN (a float matmul would give NaN for a NaN,
+// and +-inf or NaN for an infinity; such a row has already gone wrong either way).
+void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, int16_t* qx, double* scales) {
   for (int64_t m = 0; m < M; ++m) {
     const c10::BFloat16* row = x + m * K;
     float amax = 0.f;
@@ -121,13 +127,14 @@ void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, int
     int16_t* out = qx + m * Kp;
     std::fill(out, out + Kp, int16_t{0});
     if (!finite) {
-      scales[m] = std::numeric_limits<float>::quiet_NaN();
+      scales[m] = std::numeric_limits<double>::quiet_NaN();
       continue;
     }
-    const float scale = amax > 0.f ? amax / 32767.f : 1.f;
-    const float inverse = 1.f / scale;
+    // In double: with amax below ~1e-34, amax / 32767 is subnormal in float and its inverse inf.
+    const double scale = amax > 0.f ? static_cast<double>(amax) / 32767.0 : 1.0;
+    const double inverse = amax > 0.f ? 32767.0 / static_cast<double>(amax) : 1.0;
     for (int64_t k = 0; k < K; ++k)
-      out[k] = static_cast<int16_t>(std::clamp(std::nearbyint(static_cast<float>(row[k]) * inverse), -32767.f, 32767.f));
+      out[k] = static_cast<int16_t>(std::clamp(std::nearbyint(static_cast<double>(row[k]) * inverse), -32767.0, 32767.0));
     scales[m] = scale;
   }
 }
@@ -150,7 +157,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   if (M == 0 || N == 0) return y;
   const auto xc = x.contiguous();
   std::vector<int16_t> qx(M * Kp);
-  float x_scales[kMaxTokens];
+  double x_scales[kMaxTokens];
   quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K, Kp, qx.data(), x_scales);
 #ifdef TOKENWIRE_INT8_LINEAR
   const int8_t* w = packed.data_ptr<int8_t>();

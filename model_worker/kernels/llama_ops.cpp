@@ -55,8 +55,16 @@ inline __m512 load_bf16_masked(const c10::BFloat16* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// float32 -> bf16, round to nearest even (NaN stays NaN), as torch's casts do.
-inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+// float32 -> bf16 as torch's casts do (c10::BFloat16): round to nearest even on the bits, NaN to
+// 0x7FC0. In integer instructions because VCVTNEPS2BF16 flushes subnormals to zero, which torch
+// does not.
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
 
 // One row: writes x_sum (when delta is given) and h.
 void norm_row(const c10::BFloat16* x, const c10::BFloat16* delta, c10::BFloat16* x_sum, const c10::BFloat16* weight,
