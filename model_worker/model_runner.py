@@ -165,6 +165,11 @@ class ModelRunner:
         if batch_invariant and not isinstance(s, LlamaShape):
             raise ValueError("--batch-invariant is implemented for the Llama family only, "
                              f"not architectures {config.get('architectures')}")
+        # The C++ kernels where they build (--cpu-decode-kernel covers all of them): the int8 matmul,
+        # and the bf16 ones (decode attention, the Llama layers' small ops), which batch-invariant
+        # mode leaves to the torch ops it was checked with.
+        cpu_kernels = cpu_decode_kernel and device.type == "cpu"
+        bf16_cpu_kernels = cpu_kernels and dtype == torch.bfloat16 and not batch_invariant
         if isinstance(s, HFShape):
             logger.warning("architectures %s have no native model here: running them through transformers, "
                            "one sequence at a time, without prefix caching (slower)", s.architectures)
@@ -186,16 +191,11 @@ class ModelRunner:
             on_gpu = device.type == "cuda"
             weights = (dummy_weights(s, device=device if on_gpu else None, dtype=dtype if on_gpu else torch.float32)
                        if load_format == "dummy" else load_weights(model_dir))
-            # The C++ kernels where they build (--cpu-decode-kernel covers all of them): the int8
-            # matmul, and the Llama layers' small bf16 ops (batch-invariant mode keeps the torch ops
-            # it was checked with).
-            cpu_kernels = cpu_decode_kernel and device.type == "cpu"
             int8_kernel = int8_linear_module(kernel_build_root) if cpu_kernels and int8_small_batch else None
             if isinstance(s, GPT2Shape):
                 self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel)
             else:
-                llama_ops = (llama_ops_module(kernel_build_root)
-                             if cpu_kernels and dtype == torch.bfloat16 and not batch_invariant else None)
+                llama_ops = llama_ops_module(kernel_build_root) if bf16_cpu_kernels else None
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel,
                                         llama_ops)
         if decode_graphs:
@@ -219,8 +219,7 @@ class ModelRunner:
         else:
             self.kv_cache = PagedKVCache(s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype,
                                          device, padding_block=decode_graphs)
-            if (cpu_decode_kernel and not batch_invariant and device.type == "cpu" and dtype == torch.bfloat16
-                    and paged_decode_attention_fits(s.head_dim, s.num_heads // s.num_kv_heads)):
+            if bf16_cpu_kernels and paged_decode_attention_fits(s.head_dim, s.num_heads // s.num_kv_heads):
                 kernels = paged_decode_attention_module(kernel_build_root)
                 self.kv_cache.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
         logger.info("model %s on %s/%s, KV cache %d blocks x %d tokens = %.1f MiB", model_dir.name, device,

@@ -45,14 +45,23 @@ bool vectorized() {
 }
 
 #ifdef TOKENWIRE_LLAMA_OPS
-inline __m512 load_bf16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+// bf16 bits (16 lanes) -> float32: the bf16 bits are a float32's top half.
+inline __m512 from_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+inline __m512 load_bf16(const c10::BFloat16* p) {
+  return from_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Masked-off lanes read as 0.0.
 inline __m512 load_bf16_masked(const c10::BFloat16* p, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return from_bf16(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+// The lanes of a 16-column chunk that hold one of the `left` columns still to go.
+inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
 // float32 -> bf16 as torch's casts do (c10::BFloat16): round to nearest even on the bits, NaN to
@@ -66,105 +75,37 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
+// a * b rounded to bf16, as a torch multiply of bf16 tensors leaves it (back in float32).
+inline __m512 bf16_product(__m512 a, __m512 b) { return from_bf16(to_bf16(_mm512_mul_ps(a, b))); }
+
+// -v with the sign bit flipped, as torch's neg (0.0 becomes -0.0, which 0 - v would not give).
+inline __m512 negated(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
+}
+
 // One row: writes x_sum (when delta is given) and h.
 void norm_row(const c10::BFloat16* x, const c10::BFloat16* delta, c10::BFloat16* x_sum, const c10::BFloat16* weight,
               c10::BFloat16* h, int64_t H, float eps) {
   // Pass 1: the residual sum (rounded to bf16, as the torch add would leave it) and its squares.
   __m512 squares = _mm512_setzero_ps();
-  const c10::BFloat16* source = x;
-  int64_t k = 0;
-  for (; k + 16 <= H; k += 16) {
-    __m512 v = load_bf16(x + k);
-    if (delta != nullptr) {
-      const __m256i rounded = to_bf16(_mm512_add_ps(v, load_bf16(delta + k)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(x_sum + k), rounded);
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
-    }
-    squares = _mm512_fmadd_ps(v, v, squares);
-  }
-  if (k < H) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (H - k)) - 1);
+  for (int64_t k = 0; k < H; k += 16) {
+    const __mmask16 mask = lanes(H - k);
     __m512 v = load_bf16_masked(x + k, mask);
     if (delta != nullptr) {
       const __m256i rounded = to_bf16(_mm512_add_ps(v, load_bf16_masked(delta + k, mask)));
       _mm256_mask_storeu_epi16(x_sum + k, mask, rounded);
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+      v = from_bf16(rounded);
     }
     squares = _mm512_fmadd_ps(v, v, squares);
   }
-  if (delta != nullptr) source = x_sum;
-  const float rstd = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(H) + eps);
-  const __m512 scale = _mm512_set1_ps(rstd);
+  const c10::BFloat16* source = delta != nullptr ? x_sum : x;
+  const __m512 rstd = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(H) + eps));
   // Pass 2: normalise, round to bf16, multiply by the weight, round again.
-  for (k = 0; k + 16 <= H; k += 16) {
-    const __m512 normed = load_bf16(source + k);
-    const __m256i once = to_bf16(_mm512_mul_ps(normed, scale));
-    const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(once), 16));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h + k), to_bf16(_mm512_mul_ps(back, load_bf16(weight + k))));
+  for (int64_t k = 0; k < H; k += 16) {
+    const __mmask16 mask = lanes(H - k);
+    const __m512 normed = bf16_product(load_bf16_masked(source + k, mask), rstd);
+    _mm256_mask_storeu_epi16(h + k, mask, to_bf16(_mm512_mul_ps(normed, load_bf16_masked(weight + k, mask))));
   }
-  if (k < H) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (H - k)) - 1);
-    const __m256i once = to_bf16(_mm512_mul_ps(load_bf16_masked(source + k, mask), scale));
-    const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(once), 16));
-    _mm256_mask_storeu_epi16(h + k, mask, to_bf16(_mm512_mul_ps(back, load_bf16_masked(weight + k, mask))));
-  }
-}
-#endif
-
-void check(const torch::Tensor& x, const torch::Tensor& weight) {
-  TORCH_CHECK(vectorized(), "built without AVX512-BF16");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bfloat16 tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, H]");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1),
-              "weight must be contiguous [H] with H = ", x.size(1));
-}
-
-void run(const torch::Tensor& x, const c10::BFloat16* delta, c10::BFloat16* x_sum, const torch::Tensor& weight,
-         const torch::Tensor& h, double eps) {
-#ifdef TOKENWIRE_LLAMA_OPS
-  const int64_t T = x.size(0), H = x.size(1);
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
-  c10::BFloat16* hp = h.data_ptr<c10::BFloat16>();
-  // Rows in parallel only when there are enough of them to pay for waking the other threads.
-  at::parallel_for(0, T, 32, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      norm_row(xp + t * H, delta ? delta + t * H : nullptr, x_sum ? x_sum + t * H : nullptr, wp, hp + t * H, H,
-               static_cast<float>(eps));
-  });
-#endif
-}
-
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  check(x, weight);
-  auto h = torch::empty_like(x);
-  run(x, nullptr, nullptr, weight, h, eps);
-  return h;
-}
-
-// (x + delta, rms_norm(x + delta)) in one pass over the rows.
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& delta,
-                                                      const torch::Tensor& weight, double eps) {
-  check(x, weight);
-  TORCH_CHECK(delta.scalar_type() == at::kBFloat16 && delta.sizes() == x.sizes() && delta.is_contiguous() &&
-                  delta.device().is_cpu(),
-              "delta must be a contiguous bfloat16 CPU tensor shaped like x");
-  auto x_sum = torch::empty_like(x);
-  auto h = torch::empty_like(x);
-  run(x, delta.data_ptr<c10::BFloat16>(), x_sum.data_ptr<c10::BFloat16>(), weight, h, eps);
-  return {x_sum, h};
-}
-
-#ifdef TOKENWIRE_LLAMA_OPS
-inline __m512 bf16_product(__m512 a, __m512 b) {
-  const __m256i rounded = to_bf16(_mm512_mul_ps(a, b));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
-}
-
-// -v with the sign bit flipped, as torch's neg (0.0 becomes -0.0, which 0 - v would not give).
-inline __m512 negated(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN)));
 }
 
 // One head of D values: out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), rotate_half(x) =
@@ -183,6 +124,52 @@ inline void rotate_head(const c10::BFloat16* x, const c10::BFloat16* cos, const 
   }
 }
 #endif
+
+void check(const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(vectorized(), "built without AVX512-BF16");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bfloat16 tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, H]");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1),
+              "weight must be contiguous [H] with H = ", x.size(1));
+}
+
+void norm_rows(const torch::Tensor& x, const c10::BFloat16* delta, c10::BFloat16* x_sum, const torch::Tensor& weight,
+               const torch::Tensor& h, double eps) {
+#ifdef TOKENWIRE_LLAMA_OPS
+  const int64_t T = x.size(0), H = x.size(1);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
+  c10::BFloat16* hp = h.data_ptr<c10::BFloat16>();
+  // Rows in parallel only when there are enough of them to pay for waking the other threads.
+  at::parallel_for(0, T, 32, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      norm_row(xp + t * H, delta ? delta + t * H : nullptr, x_sum ? x_sum + t * H : nullptr, wp, hp + t * H, H,
+               static_cast<float>(eps));
+  });
+#endif
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check(x, weight);
+  auto h = torch::empty_like(x);
+  norm_rows(x, nullptr, nullptr, weight, h, eps);
+  return h;
+}
+
+// (x + delta, rms_norm(x + delta)) in one pass over the rows.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& delta,
+                                                      const torch::Tensor& weight, double eps) {
+  check(x, weight);
+  TORCH_CHECK(delta.scalar_type() == at::kBFloat16 && delta.sizes() == x.sizes() && delta.is_contiguous() &&
+                  delta.device().is_cpu(),
+              "delta must be a contiguous bfloat16 CPU tensor shaped like x");
+  auto x_sum = torch::empty_like(x);
+  auto h = torch::empty_like(x);
+  norm_rows(x, delta.data_ptr<c10::BFloat16>(), x_sum.data_ptr<c10::BFloat16>(), weight, h, eps);
+  return {x_sum, h};
+}
+
 
 // qkv [T, (H + 2 Hkv) * D] -> q and k rotated, [T, H + Hkv, D]; k (rotated) and v (as is) written
 // to the cache slots slot_mapping [T] of key_cache / value_cache [num_blocks, block_size, Hkv, D].

@@ -131,8 +131,8 @@ class LlamaModel:
     def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, int8_small_batch: bool = False, batch_invariant: bool = False,
                  int8_kernel: ModuleType | None = None, llama_ops: ModuleType | None = None) -> None:
-        """int8_kernel, llama_ops: kernels.int8_linear_module() and kernels.llama_ops_module()
-        (CPU, bf16), or None for torch ops."""
+        """int8_kernel, llama_ops: kernels.int8_linear_module() and kernels.llama_ops_module(),
+        which the caller passes only for bf16 weights on the CPU (ModelRunner), or None for torch ops."""
         self.shape = shape
         self.device = device
         self.dtype = dtype
@@ -187,11 +187,10 @@ class LlamaModel:
         # each otherwise, most of a one-token step's time outside the matmuls): the hidden-size
         # norms, each fused with the residual add before it, and the rotary embedding with the KV
         # cache write (not where q and k are normed first, nor at a head size it does not take).
-        use_kernel = llama_ops is not None and device.type == "cpu" and dtype == torch.bfloat16
-        self.rms_norm = llama_ops.rms_norm if use_kernel else rms_norm
-        self.add_rms_norm = llama_ops.add_rms_norm if use_kernel else add_rms_norm
-        self.rope_and_cache = (llama_ops.rope_and_cache if use_kernel and not s.qk_norm and s.head_dim % 32 == 0
-                               else None)
+        self.rms_norm = llama_ops.rms_norm if llama_ops is not None else rms_norm
+        self.add_rms_norm = llama_ops.add_rms_norm if llama_ops is not None else add_rms_norm
+        rope_fits = not s.qk_norm and s.head_dim % 32 == 0
+        self.rope_and_cache = llama_ops.rope_and_cache if llama_ops is not None and rope_fits else None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache) -> torch.Tensor:
         s = self.shape
