@@ -83,6 +83,65 @@ def test_kernel_matches_the_torch_ops_path(num_heads, num_kv_heads, head_dim, sl
         assert not torch.allclose(unwindowed[-1], reference[-1], atol=1e-2)
 
 
+def _float64_attention(q, key_cache, value_cache, block_tables, seq_lens, window, scale):
+    """The decode attention in float64 from the same bf16 inputs, and, per output element, the
+    probability-weighted sum of |v| (the scale of the kernel's rounding error)."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float64)
+    magnitude = torch.empty_like(out)
+    for b in range(batch):
+        length = int(seq_lens[b])
+        positions = torch.arange(max(0, length - window) if window else 0, length)
+        slots = block_tables[b][positions // block_size] * block_size + positions % block_size
+        keys = key_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()  # [L, Hkv, D]
+        values = value_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
+        for h in range(num_heads):
+            kv_head = h // group
+            probs = torch.softmax(keys[:, kv_head] @ q[b, h].double() * scale, dim=0)
+            out[b, h] = probs @ values[:, kv_head]
+            magnitude[b, h] = probs @ values[:, kv_head].abs()
+    return out, magnitude
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (32, 8, 128, 32), (4, 1, 96, 8)])
+@pytest.mark.parametrize("window", [0, 300])
+def test_long_contexts_split_across_tasks_match_float64(num_heads, num_kv_heads, head_dim, block_size, window):
+    """Contexts around and past the 256-position task size, so sequences are split into partitions
+    whose softmax states are merged; and lengths that leave odd tails in the last 16 positions.
+    The kernel rounds P to bf16 before P.V (at most 2^-8 relative) and its output to bf16 (2^-8
+    again), so each element is within 2^-7 of the probability-weighted |v| of the float64 answer."""
+    context_lens = [0, 254, 255, 256, 257, 300, 511, 1023, 2000]
+    q, k, v, meta, kv = _random_step(num_heads, num_kv_heads, head_dim, context_lens, block_size, prefill=0,
+                                     seed=block_size, sliding_window=window)
+    d = meta.decode
+    # Random queries give near-uniform attention over long contexts; sharpen some heads so a
+    # wrong merge of partitions (a missed rescale, a partition dropped) cannot hide in an average.
+    q.copy_(q.float() * torch.linspace(1.0, 8.0, num_heads)[None, :, None])
+    scale = head_dim ** -0.5
+    got = module.paged_decode_attention(q, kv.key[0], kv.value[0], d.block_tables, d.seq_lens, window, scale).double()
+    reference, magnitude = _float64_attention(q, kv.key[0], kv.value[0], d.block_tables, d.seq_lens, window, scale)
+    error = (got - reference).abs()
+    assert (error <= magnitude * 2.0**-7 * 1.01 + 1e-6).all(), (error / magnitude).max()
+    # And against the torch-ops path the model falls back to.
+    ref_torch = paged_attention(0, q, k, v, meta, kv, scale, sliding=bool(window)).double().view(got.shape)
+    assert torch.allclose(got, ref_torch, atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+def test_a_nan_in_one_partition_poisons_its_sequence_and_kv_head_only():
+    q, k, v, meta, kv = _random_step(4, 2, 64, [1000, 700], 16, prefill=0, seed=3)
+    d = meta.decode
+    position = 777  # the fourth 256-position partition of sequence 0
+    slot = d.block_tables[0, position // 16] * 16 + position % 16
+    kv.key[0].view(-1, 2, 64)[slot, 1, 9] = float("nan")
+    got = module.paged_decode_attention(q, kv.key[0], kv.value[0], d.block_tables, d.seq_lens, 0, 0.125).float()
+    assert got[0, 2:].isnan().all()  # kv head 1's query heads of sequence 0
+    assert not got[0, :2].isnan().any() and not got[1].isnan().any()
+
+
 @needs_kernel
 def test_nan_in_keys_or_queries_poisons_the_output_as_in_torch():
     q, k, v, meta, kv = _random_step(4, 2, 64, [20, 9], 16, prefill=0, seed=2)
@@ -131,7 +190,7 @@ def test_loader_falls_back_without_a_compiler(monkeypatch, tmp_path):
 
 @needs_kernel
 def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
-    build_dir = next(kernels.DEFAULT_BUILD_ROOT.glob("tokenwire_paged_decode_attention_*"))
+    build_dir = kernels.DEFAULT_BUILD_ROOT / kernels.build_name(kernels.PAGED_DECODE_ATTENTION_SOURCE)
     (build_dir / "lock").touch()  # what torch leaves when its process dies mid-build
     kernels.paged_decode_attention_module.cache_clear()
     try:
@@ -181,6 +240,7 @@ def test_smollm2_decodes_the_same_with_and_without_the_kernel(smollm2_dir):
         return outputs
 
     with_kernel, without = run(True), run(False)
+    total = 0
     for rid in range(len(prompts)):
         compared = 0
         for got, ref in zip(with_kernel[rid], without[rid], strict=True):
@@ -189,7 +249,12 @@ def test_smollm2_decodes_the_same_with_and_without_the_kernel(smollm2_dir):
                 break
             assert abs(got.logprob - ref.logprob) < 0.2, (rid, compared, got.logprob, ref.logprob)
             compared += 1
-        assert compared >= 4, (rid, compared)  # the first decode steps agree
+        # The first decode steps agree. A near tie can come early: prompt 0's third token is one
+        # (top two 0.125 apart on torch ops, equal on the kernel), so the floor is per prompt 2
+        # and over all prompts 12 compared tokens, which keeps the test from passing on nothing.
+        assert compared >= 2, (rid, compared)
+        total += compared
+    assert total >= 12, total
 
 
 def test_loader_falls_back_without_the_source(tmp_path):

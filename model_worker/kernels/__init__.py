@@ -58,6 +58,14 @@ def _exclusive(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def build_name(source: Path) -> str:
+    """The module's (and its build directory's) name. It carries the source, torch's version and
+    the CPU's flags: a cache shared with a machine of another CPU (a baked image, a network
+    home) never loads a -march=native build made for different instructions."""
+    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())
+    return f"tokenwire_{source.stem}_{digest.hexdigest()[:12]}"
+
+
 def _build(source: Path, required_flags: set[str], build_root: Path) -> ModuleType | None:
     if not source.is_file():  # an install that left the sources out
         logger.warning("%s is missing; using torch ops", source)
@@ -70,11 +78,7 @@ def _build(source: Path, required_flags: set[str], build_root: Path) -> ModuleTy
     if shutil.which(compiler) is None:
         logger.info("%s: no C++ compiler (%s) on PATH; using torch ops", source.name, compiler)
         return None
-    # The name carries the source, torch's version and the CPU's flags: a cache shared with a
-    # machine of another CPU (a baked image, a network home) never loads a -march=native build
-    # made for different instructions.
-    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + " ".join(sorted(flags)).encode())
-    name = f"tokenwire_{source.stem}_{digest.hexdigest()[:12]}"
+    name = build_name(source)
     build_dir = build_root / name
     try:
         from torch.utils.cpp_extension import load

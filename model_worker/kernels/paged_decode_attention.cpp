@@ -4,10 +4,20 @@
 // Why a kernel: in torch ops the decode step's attention was an index_select of every
 // sequence's keys and values (a copy), an upcast to float32 (a second copy of twice the
 // bytes) and SDPA's flash kernel, whose tasks of one query row are overhead-bound; on
-// SmolLM2 at 32 streams that was ~40% of the decode step. Here each (sequence, kv head)
-// task reads its cached rows once: q.k with VDPBF16PS (bf16 products, exact in float32,
-// float32 sums), a float32 softmax, and float32 accumulation of the values. Results match
-// the float32 SDPA path to bf16 rounding (the summation order differs).
+// SmolLM2 at 32 streams that was ~40% of the decode step. Here each task reads its cached
+// rows once, 16 positions at a time (flash decoding):
+// - q.k with VDPBF16PS (bf16 products, exact in float32, float32 sums), the 16 positions'
+//   horizontal sums in one transposed reduction;
+// - an online float32 softmax (running max and sum, rescaled per 16 positions);
+// - P.V with VDPBF16PS too, on P rounded to bf16 as flash attention rounds it for its P.V
+//   product, with float32 sums;
+// - the next 16 positions' rows prefetched: in a real step the cache comes from DRAM (each
+//   layer's share is touched once per step, between the other layers' weights);
+// - a task is (sequence, kv head, up to 256 positions), handed out from a shared counter, so
+//   one long sequence still keeps every thread busy and uneven lengths balance; the last of a
+//   sequence's partitions to finish merges them.
+// Results match the float32 SDPA path to about bf16 rounding (P's rounding and the summation
+// order differ).
 //
 // Built at run time by model_worker/kernels/__init__.py with -march=native; the Python side
 // uses it only when this file compiled with AVX512-BF16 (vectorized() is true).
@@ -17,6 +27,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <memory>
 #include <cstdint>
 #include <vector>
 
@@ -52,22 +65,128 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Softmax numerators of one row of scores in place; returns their sum.
-float exp_row(float* s, int64_t count) {
-  __m512 m = _mm512_set1_ps(-3.0e38f);
-  int64_t t = 0;
-  for (; t + 16 <= count; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
-  float max_score = _mm512_reduce_max_ps(m);
-  for (; t < count; ++t) max_score = std::max(max_score, s[t]);
-  const __m512 mv = _mm512_set1_ps(max_score);
-  __m512 sum = _mm512_setzero_ps();
-  for (t = 0; t < count; t += 16) {
-    const __mmask16 live = count - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - t)) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), mv));
-    _mm512_mask_storeu_ps(s + t, live, e);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, e));
+constexpr int64_t kChunk = 16;        // keys scored together: one transposed reduction per 16
+constexpr int64_t kPartition = 256;   // positions per task: longer contexts split across tasks
+
+// Horizontal sums of 16 vectors at once: lane j of the result is the sum of v[j]'s lanes.
+// 15 shuffle-and-add steps instead of 16 separate reductions (~8 dependent ops each).
+inline __m512 reduce16(__m512 v[16]) {
+  __m512 s[8];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 r[4];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of v[4i..4i+3]
+    const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+    r[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
-  return _mm512_reduce_add_ps(sum);
+  const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], 0x88), _mm512_shuffle_f32x4(r[0], r[1], 0xDD));
+  const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(r[2], r[3], 0x88), _mm512_shuffle_f32x4(r[2], r[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+
+// One task's running softmax state per query head of a kv head's group: the max score seen,
+// the sum of exp(score - max) and the value rows weighted by those exps.
+alignas(64) const uint16_t kZeroRow[kMaxChunks * 16] = {};
+
+struct Partial {
+  float max[kMaxGroup];
+  float sum[kMaxGroup];
+  __m512 acc[kMaxGroup][kMaxChunks];
+};
+
+// Attends one kv head's group of query heads (qv: their rows as bf16 pairs) to positions
+// [p0, p1) of one sequence through its block table, one online-softmax update per 16 positions.
+void attend_range(const __m512bh (&qv)[kMaxGroup][kMaxChunks / 2], int64_t group, int64_t pairs, int64_t chunks,
+                  const uint16_t* k_base, const uint16_t* v_base, const int64_t* table, int64_t block_size,
+                  int64_t row_stride, int64_t p0, int64_t p1, float scale, Partial& part) {
+  for (int64_t g = 0; g < group; ++g) {
+    part.max[g] = -INFINITY;
+    part.sum[g] = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) part.acc[g][c] = _mm512_setzero_ps();
+  }
+  alignas(64) float probs[kMaxGroup][kChunk];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t0 = p0; t0 < p1; t0 += kChunk) {
+    const int64_t n = std::min(kChunk, p1 - t0);
+    const __mmask16 live = n == kChunk ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    int64_t rows[kChunk];
+    int64_t block = t0 / block_size, offset = t0 % block_size;
+    for (int64_t j = 0; j < kChunk; ++j) {
+      rows[j] = j < n ? (table[block] * block_size + offset) * row_stride : rows[0];
+      if (++offset == block_size) offset = 0, ++block;
+    }
+    {  // the next chunk's rows, on their way in while this one computes
+      int64_t next_block = (t0 + kChunk) / block_size, next_offset = (t0 + kChunk) % block_size;
+      const int64_t next_n = std::min(kChunk, p1 - t0 - kChunk);
+      for (int64_t j = 0; j < next_n; ++j) {
+        const int64_t row = (table[next_block] * block_size + next_offset) * row_stride;
+        for (int64_t line = 0; line < pairs; ++line) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_base + row + 32 * line), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_base + row + 32 * line), _MM_HINT_T0);
+        }
+        if (++next_offset == block_size) next_offset = 0, ++next_block;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 dots[kChunk];
+      for (int64_t j = 0; j < kChunk; ++j) {
+        const uint16_t* k = k_base + rows[j];
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t c = 0; c < pairs; ++c)
+          dot = _mm512_dpbf16_ps(dot, qv[g][c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+        dots[j] = dot;
+      }
+      const __m512 scores = _mm512_mul_ps(reduce16(dots), vscale);
+      // A NaN score (a NaN or inf in q or k) must poison the output as it does in torch: if the
+      // masked max drops it, exp_nonpositive keeps it in p, and from there the sums.
+      const float chunk_max = _mm512_mask_reduce_max_ps(live, scores);
+      const float new_max = std::isnan(chunk_max) ? chunk_max : std::max(part.max[g], chunk_max);
+      const float rescale = std::exp(part.max[g] - new_max);  // 0 on the first chunk (max -inf)
+      part.max[g] = new_max;
+      const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+      part.sum[g] = part.sum[g] * rescale + _mm512_reduce_add_ps(p);
+      _mm512_store_ps(probs[g], p);
+      const __m512 vr = _mm512_set1_ps(rescale);
+      for (int64_t c = 0; c < chunks; ++c) part.acc[g][c] = _mm512_mul_ps(part.acc[g][c], vr);
+    }
+    // Values two positions at a time: their rows interleaved into bf16 pairs, times the pair of
+    // probabilities rounded to bf16, summed in float32 by VDPBF16PS. The accumulators hold the
+    // dims in the order the interleave leaves them (store_row puts them back).
+    alignas(64) uint32_t prob_pairs[kMaxGroup][kChunk / 2];
+    for (int64_t g = 0; g < group; ++g)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(probs[g])));
+    for (int64_t j = 0; j < n; j += 2) {
+      const uint16_t* va = v_base + rows[j];
+      const uint16_t* vb = j + 1 < n ? v_base + rows[j + 1] : kZeroRow;  // p is 0 there; 0 * inf would be NaN
+      __m512i lo[kMaxChunks / 2], hi[kMaxChunks / 2];
+      for (int64_t c = 0; c < pairs; ++c) {
+        const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c);
+        lo[c] = _mm512_unpacklo_epi16(a, b);
+        hi[c] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[g][j / 2]));
+        for (int64_t c = 0; c < pairs; ++c) {
+          part.acc[g][2 * c] = _mm512_dpbf16_ps(part.acc[g][2 * c], pp, (__m512bh)lo[c]);
+          part.acc[g][2 * c + 1] = _mm512_dpbf16_ps(part.acc[g][2 * c + 1], pp, (__m512bh)hi[c]);
+        }
+      }
+    }
+  }
+}
+
+// Undoes the pair interleave: acc[2c] holds dims 8L..8L+3 of 128-bit lane L of the c-th 32
+// dims, acc[2c+1] dims 8L+4..8L+7. Writes dims in order, times inv, as bf16.
+void store_row(uint16_t* dst, const __m512* acc, float inv, int64_t chunks) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int64_t c = 0; c < chunks / 2; ++c) {
+    const __m512 lo = _mm512_mul_ps(acc[2 * c], vinv), hi = _mm512_mul_ps(acc[2 * c + 1], vinv);
+    // [lo.L0, hi.L0, lo.L1, hi.L1] and [lo.L2, hi.L2, lo.L3, hi.L3]
+    const __m512 first = _mm512_shuffle_f32x4(_mm512_shuffle_f32x4(lo, hi, 0x44), _mm512_shuffle_f32x4(lo, hi, 0x44), 0xD8);
+    const __m512 second = _mm512_shuffle_f32x4(_mm512_shuffle_f32x4(lo, hi, 0xEE), _mm512_shuffle_f32x4(lo, hi, 0xEE), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * c), (__m256i)_mm512_cvtneps_pbh(first));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * c + 16), (__m256i)_mm512_cvtneps_pbh(second));
+  }
 }
 
 void decode_attention_bf16(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -87,52 +206,72 @@ void decode_attention_bf16(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t row_stride = num_kv_heads * head_dim;
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t count = len - first;
-      const int64_t* table = tables + b * max_blocks;
+  // Tasks: (sequence, kv head, partition of at most kPartition positions), so one long
+  // sequence keeps every thread busy. first_task[b] is sequence b's first task.
+  std::vector<int64_t> first_task(batch + 1, 0), first_pos(batch), parts(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    first_pos[b] = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+    parts[b] = (lens[b] - first_pos[b] + kPartition - 1) / kPartition;
+    first_task[b + 1] = first_task[b] + parts[b] * num_kv_heads;
+  }
+  const int64_t num_tasks = first_task[batch];
+  // Split sequences leave each partition's state here (per query head: max, sum, then the
+  // head_dim weighted sums); the last of a (sequence, kv head)'s partitions to finish merges
+  // them (`remaining` counts down to it), so one parallel region does it all.
+  const int64_t state_floats = group * (head_dim + 2);
+  std::vector<float> partials(num_tasks > batch * num_kv_heads ? num_tasks * state_floats : 0);
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[batch * num_kv_heads]);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < num_kv_heads; ++h) remaining[b * num_kv_heads + h].store(parts[b], std::memory_order_relaxed);
+  // Tasks are handed out one at a time from a shared counter: their costs differ with each
+  // sequence's length, and a static split would leave one thread waiting on the other.
+  std::atomic<int64_t> next_task{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Partial local;
+    int64_t b = 0;
+    for (int64_t task = next_task.fetch_add(1); task < num_tasks; task = next_task.fetch_add(1)) {
+      while (first_task[b + 1] <= task) ++b;
+      const int64_t within = task - first_task[b], h = within / parts[b], part = within % parts[b];
+      const int64_t p0 = first_pos[b] + part * kPartition, p1 = std::min(lens[b], p0 + kPartition);
       __m512bh qv[kMaxGroup][kMaxChunks / 2];
       for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < pairs; ++c)
           qv[g][c] = (__m512bh)_mm512_loadu_si512(q + b * q_stride_b + (h * group + g) * q_stride_h + 32 * c);
-      scores.resize(group * count);
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t pos = first + t;
-        const uint16_t* k = k_cache + (table[pos / block_size] * block_size + pos % block_size) * row_stride + h * head_dim;
-        __m512bh kv[kMaxChunks / 2];
-        for (int64_t c = 0; c < pairs; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
-        for (int64_t g = 0; g < group; ++g) {
-          __m512 dot = _mm512_setzero_ps();
-          for (int64_t c = 0; c < pairs; ++c) dot = _mm512_dpbf16_ps(dot, qv[g][c], kv[c]);
-          scores[g * count + t] = _mm512_reduce_add_ps(dot) * fscale;
-        }
+      const int64_t* table = tables + b * max_blocks;
+      attend_range(qv, group, pairs, chunks, k_cache + h * head_dim, v_cache + h * head_dim, table, block_size,
+                   row_stride, p0, p1, fscale, local);
+      uint16_t* dst = o + (b * num_heads + h * group) * head_dim;
+      if (parts[b] == 1) {
+        for (int64_t g = 0; g < group; ++g) store_row(dst + g * head_dim, local.acc[g], 1.0f / local.sum[g], chunks);
+        continue;
       }
-      float inv_sums[kMaxGroup];
-      for (int64_t g = 0; g < group; ++g) inv_sums[g] = 1.0f / exp_row(scores.data() + g * count, count);
-      __m512 acc[kMaxGroup][kMaxChunks];
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t pos = first + t;
-        const uint16_t* v = v_cache + (table[pos / block_size] * block_size + pos % block_size) * row_stride + h * head_dim;
-        __m512 vf[kMaxChunks];
-        for (int64_t c = 0; c < chunks; ++c)
-          vf[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c)));
-        for (int64_t g = 0; g < group; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * count + t]);
-          for (int64_t c = 0; c < chunks; ++c) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
-        }
-      }
+      float* mine = partials.data() + task * state_floats;
       for (int64_t g = 0; g < group; ++g) {
-        uint16_t* dst = o + (b * num_heads + h * group + g) * head_dim;
-        const __m512 inv = _mm512_set1_ps(inv_sums[g]);
-        for (int64_t c = 0; c < chunks; ++c)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv)));
+        mine[g * (head_dim + 2)] = local.max[g];
+        mine[g * (head_dim + 2) + 1] = local.sum[g];
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(mine + g * (head_dim + 2) + 2 + 16 * c, local.acc[g][c]);
+      }
+      if (remaining[b * num_kv_heads + h].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+      // The last partition in: merge all of this (sequence, kv head)'s partitions.
+      const float* states = partials.data() + (first_task[b] + h * parts[b]) * state_floats;
+      for (int64_t g = 0; g < group; ++g) {
+        float max = -INFINITY;
+        for (int64_t i = 0; i < parts[b]; ++i) {
+          const float m = states[i * state_floats + g * (head_dim + 2)];
+          max = std::isnan(m) ? m : std::max(max, m);
+        }
+        float sum = 0.0f;
+        __m512 acc[kMaxChunks];
+        for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < parts[b]; ++i) {
+          const float* state = states + i * state_floats + g * (head_dim + 2);
+          const float weight = std::exp(state[0] - max);
+          sum += weight * state[1];
+          const __m512 w = _mm512_set1_ps(weight);
+          for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(state + 2 + 16 * c), acc[c]);
+        }
+        store_row(dst + g * head_dim, acc, 1.0f / sum, chunks);
       }
     }
   });
