@@ -1,5 +1,6 @@
 """The Llama layers' compiled bf16 ops (model_worker/kernels/llama_ops.cpp: RMSNorm, residual
-add + RMSNorm, rotary embedding + KV cache write) against llama.py's torch ops.
+add + RMSNorm, rotary embedding + KV cache write, the MLP's silu(gate) * up) against llama.py's
+torch ops.
 
 Skipped where it cannot be used: a CPU without AVX512-BF16 or no C++ compiler; the model then
 runs the torch ops, which the rest of the suite covers. Where both are there, a kernel that fails
@@ -112,7 +113,9 @@ def test_the_llama_forward_uses_them_on_bf16_and_scores_prompts_like_the_torch_o
     assert with_kernel.kv_cache.decode_kernel is not None and torch_ops.kv_cache.decode_kernel is not None
     assert with_kernel.model.add_rms_norm is module.add_rms_norm
     assert with_kernel.model.rope_and_cache is module.rope_and_cache
+    assert with_kernel.model.silu_and_mul is module.silu_and_mul
     assert torch_ops.model.add_rms_norm is llama.add_rms_norm and torch_ops.model.rope_and_cache is None
+    assert torch_ops.model.silu_and_mul is llama.silu_and_mul
     assert runner(True, torch.float32).model.rope_and_cache is None
     narrow_heads = runner(True, model_dir=tiny_model_dir).model  # 16-wide heads: norms only
     assert narrow_heads.add_rms_norm is module.add_rms_norm and narrow_heads.rope_and_cache is None
@@ -125,6 +128,42 @@ def test_the_llama_forward_uses_them_on_bf16_and_scores_prompts_like_the_torch_o
     assert len(got_prompt) == len(expected_prompt) == len(prompt) - 1
     assert max(abs(a - b) for a, b in zip(got_prompt, expected_prompt, strict=True)) < 0.05
     assert got[0].token_id == expected[0].token_id
+
+
+@needs_kernel
+@pytest.mark.parametrize("intermediate", [1536, 16, 50], ids=["smollm2", "one-vector", "masked-tail"])
+@pytest.mark.parametrize("num_rows", [0, 1, 40], ids=["empty", "decode", "parallel-rows"])
+def test_silu_and_mul_matches_the_torch_ops(intermediate, num_rows):
+    """torch's silu runs Sleef's expf; the kernel's own exp is within a float32 ulp or two of it,
+    so an element may land one bf16 step away, rarely."""
+    gate_up = _rows(num_rows, 2 * intermediate, 20, 4.0)
+    _assert_within_one_rounding(module.silu_and_mul(gate_up), llama.silu_and_mul(gate_up))
+
+
+@needs_kernel
+def test_silu_and_mul_at_the_edges_of_exp():
+    # Gates from where exp(-g) overflows (silu -> -0.0) to where it underflows (silu -> g),
+    # subnormal products, and non-finite values, each as torch leaves them.
+    gates = torch.tensor([-1e30, -200.0, -100.0, -89.0, -88.5, -87.0, -20.0, -1e-3, -0.0, 0.0, 1e-38, 1e-3, 20.0,
+                          87.0, 88.5, 89.0, 100.0, 200.0, 3e38, float("inf"), float("-inf"), float("nan")])
+    ups = torch.full_like(gates, 1.5)
+    ups[10] = 1e-3  # 1e-38 * 1e-3: a subnormal product
+    gate_up = torch.cat([gates, ups])[None].bfloat16()
+    got, expected = module.silu_and_mul(gate_up), llama.silu_and_mul(gate_up)
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite], expected[finite])
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(expected[finite]))  # -0.0 where torch has it
+
+
+@needs_kernel
+def test_silu_and_mul_refuses_odd_widths_and_other_dtypes():
+    with pytest.raises(RuntimeError, match="gate_up"):
+        module.silu_and_mul(_rows(2, 7, 21))
+    with pytest.raises(RuntimeError, match="gate_up"):
+        module.silu_and_mul(_rows(2, 8, 21).float())
+    with pytest.raises(RuntimeError, match="gate_up"):
+        module.silu_and_mul(_rows(8, 4, 21).t())
 
 
 def _rope_inputs(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int):

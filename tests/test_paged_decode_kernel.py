@@ -83,6 +83,22 @@ def test_kernel_matches_the_torch_ops_path(num_heads, num_kv_heads, head_dim, sl
         assert not torch.allclose(unwindowed[-1], reference[-1], atol=1e-2)
 
 
+@needs_kernel
+@pytest.mark.parametrize("sliding_window", [0, 7])
+def test_a_decode_only_step_returns_the_kernels_output(sliding_window):
+    """No prefill in the step: paged_attention hands back the kernel's own output (no buffer), which
+    must still be the torch-ops path's answer, windowed the same."""
+    q, k, v, meta, kv = _random_step(9, 3, 64, [0, 3, 16, 40, 300], 16, prefill=0, seed=5,
+                                     sliding_window=sliding_window)
+    reference = paged_attention(0, q, k, v, meta, kv, 0.125, sliding=bool(sliding_window)).float()
+    kv.decode_kernel = module.paged_decode_attention
+    got = paged_attention(0, q, k, v, meta, kv, 0.125, sliding=bool(sliding_window))
+    assert got.shape == (5, 9 * 64)
+    assert torch.allclose(got.float(), reference, atol=1e-2, rtol=1e-2)
+    unwindowed = paged_attention(0, q, k, v, meta, kv, 0.125, sliding=False).float()
+    assert torch.equal(got.float(), unwindowed) != bool(sliding_window)  # the window reached the kernel
+
+
 def _float64_attention(q, key_cache, value_cache, block_tables, seq_lens, window, scale):
     """The decode attention in float64 from the same bf16 inputs, and, per output element, the
     probability-weighted sum of |v| (the scale of the kernel's rounding error)."""

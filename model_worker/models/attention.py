@@ -18,10 +18,18 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """q [T, H, D], this step's k/v [T, Hkv, D] (already in the cache) -> [T, H * D].
     sliding: this layer attends only within meta.sliding_window (its window masks)."""
     num_tokens, num_heads, head_dim = q.shape
+    k_cache, v_cache = kv.layer_keys[layer], kv.layer_values[layer]  # [num_blocks, block_size, Hkv, D]
+    d = meta.decode
+    if not meta.prefills and kv.decode_kernel is not None and d is not None and d.block_tables.shape[0] == num_tokens:
+        # A decode-only step, as most steps are: the kernel's output is the whole answer, with
+        # no buffer to fill (at one stream the buffer and its copy cost more than half as much
+        # as the kernel itself).
+        window = meta.sliding_window if sliding and d.window_mask is not None else 0
+        return kv.decode_kernel(q, k_cache, v_cache, d.block_tables, d.seq_lens, window,
+                                scale).view(num_tokens, num_heads * head_dim)
     num_kv_heads = k.shape[1]
     gqa = num_kv_heads != num_heads
     out = q.new_empty(q.shape)  # [T, H, D], contiguous whatever q's strides (GPT-2 slices one qkv)
-    k_cache, v_cache = kv.key[layer], kv.value[layer]  # [num_blocks, block_size, Hkv, D]
     for seg in meta.prefills:
         rows = slice(seg.start, seg.start + seg.num_tokens)
         query = q[rows].transpose(0, 1)[None]  # [1, H, n, D]
@@ -39,16 +47,14 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa,
         )  # [1, H, n, D]
         out[rows] = o[0].transpose(0, 1)
-    if meta.decode is not None and kv.decode_kernel is not None:
+    if d is not None and kv.decode_kernel is not None:
         # Reads the cache in place through the block tables (model_worker/kernels), where the
         # torch-ops path below copies every sequence's keys and values twice first.
-        d = meta.decode
         batch = d.block_tables.shape[0]
         window = meta.sliding_window if sliding and d.window_mask is not None else 0
         out[d.start:d.start + batch] = kv.decode_kernel(q[d.start:d.start + batch], k_cache, v_cache, d.block_tables,
                                                         d.seq_lens, window, scale)
-    elif meta.decode is not None:
-        d = meta.decode
+    elif d is not None:
         batch, max_blocks = d.block_tables.shape
         query = q[d.start:d.start + batch][:, :, None, :]  # [B, H, 1, D]
         # One index_select over all sequences' blocks, then a strided view [B, Hkv, L, D]:

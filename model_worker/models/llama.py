@@ -113,6 +113,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (the fused gate and up projections) -> silu(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)): the residual add and the norm after it."""
@@ -186,9 +192,11 @@ class LlamaModel:
         # On a bf16 CPU, a layer's small ops as C++ calls (kernels/llama_ops.cpp; several torch ops
         # each otherwise, most of a one-token step's time outside the matmuls): the hidden-size
         # norms, each fused with the residual add before it, and the rotary embedding with the KV
-        # cache write (not where q and k are normed first, nor at a head size it does not take).
+        # cache write (not where q and k are normed first, nor at a head size it does not take),
+        # and the MLP's activation.
         self.rms_norm = llama_ops.rms_norm if llama_ops is not None else rms_norm
         self.add_rms_norm = llama_ops.add_rms_norm if llama_ops is not None else add_rms_norm
+        self.silu_and_mul = llama_ops.silu_and_mul if llama_ops is not None else silu_and_mul
         rope_fits = not s.qk_norm and s.head_dim % 32 == 0
         self.rope_and_cache = llama_ops.rope_and_cache if llama_ops is not None and rope_fits else None
 
@@ -207,7 +215,7 @@ class LlamaModel:
             qkv = layer["qkv"](h)  # [T, (H + 2 Hkv) D]
             v = qkv[:, q_size + kv_size:].view(num_tokens, s.num_kv_heads, s.head_dim)
             if rope_and_cache is not None:
-                qk = rope_and_cache(qkv, meta.positions, self.cos, self.sin, kv.key[i], kv.value[i],
+                qk = rope_and_cache(qkv, meta.positions, self.cos, self.sin, kv.layer_keys[i], kv.layer_values[i],
                                     meta.slot_mapping, s.num_heads, s.num_kv_heads)  # [T, H + Hkv, D]
             else:
                 # Rotary on q and k together ([T, H + Hkv, D]): half the ops of two separate
@@ -220,9 +228,8 @@ class LlamaModel:
             q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
             attn = self.attention(i, q, k, v, meta, kv, self.scale, self.sliding_layers[i])  # [T, H * D]
             x, h = self.add_rms_norm(x, layer["o"](attn), layer["post_norm"], eps)
-            gate, up = layer["gate_up"](h).chunk(2, dim=-1)
             next_norm = self.layers[i + 1]["input_norm"] if i + 1 < len(self.layers) else self.norm
-            x, h = self.add_rms_norm(x, layer["down"](F.silu(gate) * up), next_norm, eps)
+            x, h = self.add_rms_norm(x, layer["down"](self.silu_and_mul(layer["gate_up"](h))), next_norm, eps)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
