@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from model_worker.kernels import (
     llama_ops_module,
     paged_decode_attention_fits,
     paged_decode_attention_module,
+    sampling_ops_module,
 )
 from model_worker.kv_cache import PagedKVCache, kv_bytes_per_token, num_kv_blocks
 from model_worker.models import gpt2
@@ -198,6 +200,10 @@ class ModelRunner:
                 llama_ops = llama_ops_module(kernel_build_root) if bf16_cpu_kernels else None
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel,
                                         llama_ops)
+        # The sampler's greedy argmax on the CPU (any dtype: it reads the float32 logits).
+        sampling_ops = sampling_ops_module(kernel_build_root) if cpu_kernels else None
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = (
+            sampling_ops.argmax_rows if sampling_ops is not None else None)
         if decode_graphs:
             if isinstance(s, HFShape):
                 raise ValueError("CUDA graphs are only for natively run architectures (Llama family, GPT-2), "

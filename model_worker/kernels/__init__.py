@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 PAGED_DECODE_ATTENTION_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
 INT8_LINEAR_SOURCE = Path(__file__).with_name("int8_linear.cpp")
 LLAMA_OPS_SOURCE = Path(__file__).with_name("llama_ops.cpp")
+SAMPLING_OPS_SOURCE = Path(__file__).with_name("sampling_ops.cpp")
 DEFAULT_BUILD_ROOT = DEFAULT_CACHE_DIR / "kernels"  # the model worker's default --cache-dir
 
 
@@ -134,5 +135,11 @@ def int8_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | No
 @functools.cache
 def llama_ops_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
     """The Llama forward's AVX512-BF16 per-layer ops on bf16 rows (llama_ops.cpp: RMSNorm, residual
-    add + RMSNorm, rotary embedding + KV cache write), or None."""
+    add + RMSNorm, rotary embedding + KV cache write, silu(gate) * up), or None."""
     return _vectorized_module(LLAMA_OPS_SOURCE, {"avx512f", "avx512_bf16"}, build_root, "AVX512-BF16")
+
+
+@functools.cache
+def sampling_ops_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
+    """The sampler's AVX-512 greedy pick (sampling_ops.cpp: argmax of float32 rows), or None."""
+    return _vectorized_module(SAMPLING_OPS_SOURCE, {"avx512f"}, build_root, "AVX-512")

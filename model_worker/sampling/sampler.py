@@ -8,6 +8,7 @@ place with each step's new tokens.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,9 +57,13 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """argmax: a faster torch.argmax(logits, dim=-1) for the all-greedy step (the CPU kernel,
+        model_worker/kernels/sampling_ops.cpp), or None for torch's."""
         self.vocab_size = vocab_size
         self.device = device
+        self._argmax = argmax or functools.partial(torch.argmax, dim=-1)
         self.batch: SamplingBatch | None = None
         self._columns = column_counters(vocab_size, device)  # [V]
         self._saved_mu: dict[int, float] = {}  # mirostat state of sequences out of the batch
@@ -78,7 +83,7 @@ class Sampler:
         batch = self._batch_for(seqs)
         logits = logits.float()
         if batch.fast_greedy and allowed_token_bitmask is None:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self._argmax(logits)
             out = self._logprobs(batch, logits, None, token_ids)
         else:
             final = self._process(batch, logits, seqs, allowed_token_bitmask)
