@@ -60,10 +60,13 @@ def _exclusive(path: Path) -> Iterator[None]:
 
 
 def build_name(source: Path) -> str:
-    """The module's (and its build directory's) name. It carries the source, torch's version and
-    the CPU's flags: a cache shared with a machine of another CPU (a baked image, a network
-    home) never loads a -march=native build made for different instructions."""
-    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())
+    """The module's (and its build directory's) name. It carries the source and the headers beside
+    it (which any kernel may include), torch's version and the CPU's flags: an edit rebuilds, and a
+    cache shared with a machine of another CPU (a baked image, a network home) never loads a
+    -march=native build made for different instructions."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + torch.__version__.encode()
+                            + " ".join(sorted(cpu_flags())).encode())
     return f"tokenwire_{source.stem}_{digest.hexdigest()[:12]}"
 
 

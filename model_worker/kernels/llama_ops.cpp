@@ -37,6 +37,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define TOKENWIRE_LLAMA_OPS 1
 #include <immintrin.h>
+
+#include "vec_math.h"
 #endif
 
 namespace {
@@ -129,32 +131,13 @@ inline void rotate_head(const c10::BFloat16* x, const c10::BFloat16* cos, const 
   }
 }
 
-// exp(x) in float32 for any x: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial for e^r
-// (~1 ulp). Overflows to inf and underflows to 0 as expf does (scalef takes the whole n); NaN
-// stays NaN (the clamps return their second operand, x, when it is NaN).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(100.0f), _mm512_max_ps(_mm512_set1_ps(-100.0f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // One row: out[j] = bf16(bf16(silu(gate[j])) * up[j]) for j < I.
 void silu_and_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t I) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t k = 0; k < I; k += 16) {
     const __mmask16 mask = lanes(I - k);
     const __m512 g = load_bf16_masked(gate + k, mask);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(negated(g))));
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, tokenwire::exp_ps(negated(g))));
     const __m512 silu_rounded = from_bf16(to_bf16(silu));  // F.silu's bf16 output
     _mm256_mask_storeu_epi16(out + k, mask, to_bf16(_mm512_mul_ps(silu_rounded, load_bf16_masked(up + k, mask))));
   }

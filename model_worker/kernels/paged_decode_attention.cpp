@@ -36,6 +36,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define TOKENWIRE_AVX512_BF16 1
+#include "vec_math.h"
 #endif
 
 namespace {
@@ -44,26 +45,6 @@ namespace {
 
 constexpr int64_t kMaxGroup = 16;   // query heads per kv head
 constexpr int64_t kMaxChunks = 8;   // head_dim / 16, so head_dim <= 128
-
-// exp(x) for x <= 0 (scores minus their max): 2^n * e^r with |r| <= ln2/2, a degree-6
-// polynomial for e^r (relative error ~1e-7, about one float32 ulp). NaN stays NaN: max_ps
-// returns its second operand when either is NaN, so x goes second, and a NaN score (a NaN or
-// inf in q or k) poisons the output as it does in torch instead of vanishing into a clamp.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 constexpr int64_t kChunk = 16;        // keys scored together: one transposed reduction per 16
 constexpr int64_t kPartition = 256;   // positions per task: longer contexts split across tasks
@@ -138,12 +119,12 @@ void attend_range(const __m512bh (&qv)[kMaxGroup][kMaxChunks / 2], int64_t group
       }
       const __m512 scores = _mm512_mul_ps(reduce16(dots), vscale);
       // A NaN score (a NaN or inf in q or k) must poison the output as it does in torch: if the
-      // masked max drops it, exp_nonpositive keeps it in p, and from there the sums.
+      // masked max drops it, exp_ps keeps it in p, and from there the sums.
       const float chunk_max = _mm512_mask_reduce_max_ps(live, scores);
       const float new_max = std::isnan(chunk_max) ? chunk_max : std::max(part.max[g], chunk_max);
       const float rescale = std::exp(part.max[g] - new_max);  // 0 on the first chunk (max -inf)
       part.max[g] = new_max;
-      const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+      const __m512 p = _mm512_maskz_mov_ps(live, tokenwire::exp_ps(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
       part.sum[g] = part.sum[g] * rescale + _mm512_reduce_add_ps(p);
       _mm512_store_ps(probs[g], p);
       const __m512 vr = _mm512_set1_ps(rescale);

@@ -1,0 +1,34 @@
+// Vector math shared by the AVX-512 kernels in this directory (included, not built on its own;
+// kernels/__init__.py hashes it into every kernel's build name, so an edit here rebuilds them).
+
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace tokenwire {
+
+// exp(x) in float32 for any x: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial for e^r
+// (relative error ~1e-7, about one float32 ulp). Overflows to inf and underflows to 0 as expf
+// does (scalef takes the whole n). NaN stays NaN: min_ps/max_ps return their second operand when
+// either is NaN, so x goes second, and a NaN (say a score from a NaN or inf in q or k) poisons
+// what is computed from it, as in torch, instead of vanishing into a clamp.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(100.0f), _mm512_max_ps(_mm512_set1_ps(-100.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace tokenwire
+
+#endif  // __AVX512F__
