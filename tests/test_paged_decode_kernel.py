@@ -91,12 +91,22 @@ def test_a_decode_only_step_returns_the_kernels_output(sliding_window):
     q, k, v, meta, kv = _random_step(9, 3, 64, [0, 3, 16, 40, 300], 16, prefill=0, seed=5,
                                      sliding_window=sliding_window)
     reference = paged_attention(0, q, k, v, meta, kv, 0.125, sliding=bool(sliding_window)).float()
-    kv.decode_kernel = module.paged_decode_attention
+    calls = []
+
+    def kernel(query, *args):
+        calls.append(query)
+        out = module.paged_decode_attention(query, *args)
+        calls.append(out)
+        return out
+
+    kv.decode_kernel = kernel
     got = paged_attention(0, q, k, v, meta, kv, 0.125, sliding=bool(sliding_window))
-    assert got.shape == (5, 9 * 64)
+    assert len(calls) == 2 and calls[0] is q  # the whole q, no row slice
+    assert got.shape == (5, 9 * 64) and got.data_ptr() == calls[1].data_ptr()  # the kernel's own output
     assert torch.allclose(got.float(), reference, atol=1e-2, rtol=1e-2)
-    unwindowed = paged_attention(0, q, k, v, meta, kv, 0.125, sliding=False).float()
-    assert torch.equal(got.float(), unwindowed) != bool(sliding_window)  # the window reached the kernel
+    if sliding_window:  # the window reached the kernel: the last sequence (300 long) sees 7 positions
+        unwindowed = paged_attention(0, q, k, v, meta, kv, 0.125, sliding=False).float()
+        assert not torch.allclose(got[-1].float(), unwindowed[-1], atol=1e-2)
 
 
 def _float64_attention(q, key_cache, value_cache, block_tables, seq_lens, window, scale):
@@ -122,8 +132,9 @@ def _float64_attention(q, key_cache, value_cache, block_tables, seq_lens, window
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (32, 8, 128, 32), (4, 1, 96, 8)])
-@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (32, 8, 128, 32), (4, 1, 96, 8), (32, 2, 128, 3), (6, 6, 32, 1)])
+@pytest.mark.parametrize("window", [0, 1, 256, 300])
 def test_long_contexts_split_across_tasks_match_float64(num_heads, num_kv_heads, head_dim, block_size, window):
     """Contexts around and past the 256-position task size, so sequences are split into partitions
     whose softmax states are merged; and lengths that leave odd tails in the last 16 positions.
@@ -144,6 +155,27 @@ def test_long_contexts_split_across_tasks_match_float64(num_heads, num_kv_heads,
     # And against the torch-ops path the model falls back to.
     ref_torch = paged_attention(0, q, k, v, meta, kv, scale, sliding=bool(window)).double().view(got.shape)
     assert torch.allclose(got, ref_torch, atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("length", [40, 600])
+def test_scores_of_minus_inf_weigh_zero_as_in_torch(length):
+    """An inf in a key can make a whole 16-position chunk (or partition) score -inf: those
+    positions get weight 0, as torch's softmax gives them, not NaN; a row that is -inf
+    everywhere is NaN in both."""
+    q, k, v, meta, kv = _random_step(2, 1, 64, [length - 1, length - 1], 16, prefill=0, seed=6)
+    d = meta.decode
+    keys = kv.key[0].view(-1, 1, 64)
+    # Sequence 0: its first chunk (length 40), or its whole first partition and more (600); 1: all.
+    for b, dead in ((0, range(16 if length < 256 else 300)), (1, range(length))):
+        for position in dead:
+            keys[d.block_tables[b, position // 16] * 16 + position % 16, 0, 0] = float("-inf")
+    q[:, :, 0] = 1.0  # q.k = -inf wherever a key has -inf in dim 0
+    got = module.paged_decode_attention(q, kv.key[0], kv.value[0], d.block_tables, d.seq_lens, 0, 0.125).double()
+    reference, magnitude = _float64_attention(q, kv.key[0], kv.value[0], d.block_tables, d.seq_lens, 0, 0.125)
+    assert not reference[0].isnan().any() and reference[1].isnan().all()
+    assert torch.equal(got.isnan(), reference.isnan())
+    assert ((got[0] - reference[0]).abs() <= magnitude[0] * 2.0**-7 * 1.01 + 1e-6).all()
 
 
 @needs_kernel

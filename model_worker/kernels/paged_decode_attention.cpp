@@ -122,9 +122,12 @@ void attend_range(const __m512bh (&qv)[kMaxGroup][kMaxChunks / 2], int64_t group
       // masked max drops it, exp_ps keeps it in p, and from there the sums.
       const float chunk_max = _mm512_mask_reduce_max_ps(live, scores);
       const float new_max = std::isnan(chunk_max) ? chunk_max : std::max(part.max[g], chunk_max);
-      const float rescale = std::exp(part.max[g] - new_max);  // 0 on the first chunk (max -inf)
+      // While every score so far is -inf (an inf in q or k), exps are taken against 0, so those
+      // positions weigh 0 as in torch's softmax instead of exp(-inf - -inf) = NaN.
+      const float shift = new_max == -INFINITY ? 0.0f : new_max;
+      const float rescale = std::exp(part.max[g] - shift);  // 0 on the first chunk (max -inf)
       part.max[g] = new_max;
-      const __m512 p = _mm512_maskz_mov_ps(live, tokenwire::exp_ps(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+      const __m512 p = _mm512_maskz_mov_ps(live, tokenwire::exp_ps(_mm512_sub_ps(scores, _mm512_set1_ps(shift))));
       part.sum[g] = part.sum[g] * rescale + _mm512_reduce_add_ps(p);
       _mm512_store_ps(probs[g], p);
       const __m512 vr = _mm512_set1_ps(rescale);
@@ -200,7 +203,7 @@ void decode_attention_bf16(const at::Tensor& query, const at::Tensor& key_cache,
   // head_dim weighted sums); the last of a (sequence, kv head)'s partitions to finish merges
   // them (`remaining` counts down to it), so one parallel region does it all.
   const int64_t state_floats = group * (head_dim + 2);
-  std::vector<float> partials(num_tasks > batch * num_kv_heads ? num_tasks * state_floats : 0);
+  std::unique_ptr<float[]> partials(num_tasks > batch * num_kv_heads ? new float[num_tasks * state_floats] : nullptr);
   std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[batch * num_kv_heads]);
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < num_kv_heads; ++h) remaining[b * num_kv_heads + h].store(parts[b], std::memory_order_relaxed);
@@ -227,7 +230,7 @@ void decode_attention_bf16(const at::Tensor& query, const at::Tensor& key_cache,
         for (int64_t g = 0; g < group; ++g) store_row(dst + g * head_dim, local.acc[g], 1.0f / local.sum[g], chunks);
         continue;
       }
-      float* mine = partials.data() + task * state_floats;
+      float* mine = partials.get() + task * state_floats;
       for (int64_t g = 0; g < group; ++g) {
         mine[g * (head_dim + 2)] = local.max[g];
         mine[g * (head_dim + 2) + 1] = local.sum[g];
@@ -235,7 +238,7 @@ void decode_attention_bf16(const at::Tensor& query, const at::Tensor& key_cache,
       }
       if (remaining[b * num_kv_heads + h].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
       // The last partition in: merge all of this (sequence, kv head)'s partitions.
-      const float* states = partials.data() + (first_task[b] + h * parts[b]) * state_floats;
+      const float* states = partials.get() + (first_task[b] + h * parts[b]) * state_floats;
       for (int64_t g = 0; g < group; ++g) {
         float max = -INFINITY;
         for (int64_t i = 0; i < parts[b]; ++i) {
@@ -288,7 +291,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const int64_t head_dim = query.size(2), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim && head_dim % 32 == 0 && head_dim <= 128,
               "head_dim must match the cache and be a multiple of 32 up to 128");
-  TORCH_CHECK(query.size(1) % num_kv_heads == 0 && query.size(1) / num_kv_heads <= 16,
+  TORCH_CHECK(num_kv_heads >= 1 && query.size(1) % num_kv_heads == 0 && query.size(1) / num_kv_heads >= 1 &&
+                  query.size(1) / num_kv_heads <= 16,
               "query heads must be 1-16 times the kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
               block_tables.size(0) == query.size(0), "block_tables must be contiguous int64 [B, max_blocks]");

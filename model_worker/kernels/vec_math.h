@@ -9,11 +9,13 @@
 namespace tokenwire {
 
 // exp(x) in float32 for any x: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial for e^r
-// (relative error ~1e-7, about one float32 ulp). Overflows to inf and underflows to 0 as expf
-// does (scalef takes the whole n). NaN stays NaN: min_ps/max_ps return their second operand when
-// either is NaN, so x goes second, and a NaN (say a score from a NaN or inf in q or k) poisons
-// what is computed from it, as in torch, instead of vanishing into a clamp.
+// (relative error ~1e-7, about one float32 ulp). Overflows to inf as expf does (scalef takes the
+// whole n); 0 below -104, where expf's answer is 0 too (not scalef's subnormal 2^-144 from the
+// clamp, which would also cost a microcode assist). NaN stays NaN: min_ps/max_ps return their
+// second operand when either is NaN, so x goes second, and a NaN (say a score from a NaN or inf
+// in q or k) poisons what is computed from it, as in torch, instead of vanishing into a clamp.
 inline __m512 exp_ps(__m512 x) {
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ);  // -inf included
   x = _mm512_min_ps(_mm512_set1_ps(100.0f), _mm512_max_ps(_mm512_set1_ps(-100.0f), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -26,7 +28,7 @@ inline __m512 exp_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
 }
 
 }  // namespace tokenwire
