@@ -1,5 +1,5 @@
 """What the Llama layers' C++ bf16 ops buy (kernels/llama_ops.cpp: RMSNorm fused with the residual
-add before it, rotary embedding with the KV cache write): SmolLM2 engine decode step times with
+add before it, rotary embedding with the KV cache write, the MLP's silu(gate) * up): SmolLM2 engine decode step times with
 the Llama forward on those ops vs on torch ops, side by side in one process.
 
 One engine (the model worker's own build, from its flags, bf16) runs `--batch-size` greedy
@@ -27,7 +27,7 @@ from model_worker.sequence import SamplingParams  # noqa: E402
 
 def bench_batch(engine, batch: int, steps: int, base_id: int) -> dict[str, list[float]]:
     model = engine.runner.model
-    kernel = (model.rms_norm, model.add_rms_norm, model.rope_and_cache)
+    kernel = (model.rms_norm, model.add_rms_norm, model.rope_and_cache, model.silu_and_mul)
     if kernel[1] is llama.add_rms_norm:
         raise SystemExit("the model runs torch ops: needs a Llama-family model in bf16 on a CPU where "
                          "kernels/llama_ops.cpp builds")
@@ -35,8 +35,8 @@ def bench_batch(engine, batch: int, steps: int, base_id: int) -> dict[str, list[
         engine.add_request(base_id + i, list(range(100, 132)), SamplingParams(), steps + 8, [], True)
 
     def set_mode(mode: str) -> None:
-        model.rms_norm, model.add_rms_norm, model.rope_and_cache = (
-            kernel if mode == "kernel" else (llama.rms_norm, llama.add_rms_norm, None))
+        model.rms_norm, model.add_rms_norm, model.rope_and_cache, model.silu_and_mul = (
+            kernel if mode == "kernel" else (llama.rms_norm, llama.add_rms_norm, None, llama.silu_and_mul))
 
     return alternate_decode_steps(engine, steps, ("kernel", "torch ops"), set_mode)
 

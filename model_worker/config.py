@@ -61,8 +61,9 @@ class Config(WorkerServerOptions):
                 "(fixed-shape GEMMs, attention one query at a time); trades speed for it, Llama family only"})
     cpu_decode_kernel: bool = field(default=True, metadata={
         "help": "CPU + bfloat16 on AVX512-BF16: decode attention in a C++ kernel that reads the paged KV "
-                "cache in place, the Llama family's norms (fused with their residual adds) and rotary embedding, and with "
-                "--int8-small-batch on AVX512-VNNI the int8 matmuls too "
+                "cache in place, the Llama family's norms (fused with their residual adds), rotary embedding and "
+                "silu(gate) * up, the sampler's greedy argmax, and with --int8-small-batch on AVX512-VNNI the int8 "
+                "matmuls too "
                 "(model_worker/kernels, each compiled once into <cache-dir>/kernels at first start, "
                 "~20 s); off, or where they cannot be built: torch ops"})
     cuda_graphs: bool = field(default=False, metadata={

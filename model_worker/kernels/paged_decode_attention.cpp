@@ -75,6 +75,17 @@ struct Partial {
   __m512 acc[kMaxGroup][kMaxChunks];
 };
 
+// Cache row offsets of positions [t, t + n) (n <= 16) through a block table; the slots past n
+// repeat the first row, a real one, so a full 16-wide pass reads nothing out of bounds.
+inline void chunk_rows(const int64_t* table, int64_t block_size, int64_t row_stride, int64_t t, int64_t n,
+                       int64_t (&rows)[kChunk]) {
+  int64_t block = t / block_size, offset = t % block_size;
+  for (int64_t j = 0; j < kChunk; ++j) {
+    rows[j] = j < n ? (table[block] * block_size + offset) * row_stride : rows[0];
+    if (++offset == block_size) offset = 0, ++block;
+  }
+}
+
 // Attends one kv head's group of query heads (qv: their rows as bf16 pairs) to positions
 // [p0, p1) of one sequence through its block table, one online-softmax update per 16 positions.
 void attend_range(const __m512bh (&qv)[kMaxGroup][kMaxChunks / 2], int64_t group, int64_t pairs, int64_t chunks,
@@ -87,26 +98,20 @@ void attend_range(const __m512bh (&qv)[kMaxGroup][kMaxChunks / 2], int64_t group
   }
   alignas(64) float probs[kMaxGroup][kChunk];
   const __m512 vscale = _mm512_set1_ps(scale);
+  int64_t rows[kChunk], next_rows[kChunk];
+  chunk_rows(table, block_size, row_stride, p0, std::min(kChunk, p1 - p0), rows);
   for (int64_t t0 = p0; t0 < p1; t0 += kChunk) {
     const int64_t n = std::min(kChunk, p1 - t0);
     const __mmask16 live = n == kChunk ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-    int64_t rows[kChunk];
-    int64_t block = t0 / block_size, offset = t0 % block_size;
-    for (int64_t j = 0; j < kChunk; ++j) {
-      rows[j] = j < n ? (table[block] * block_size + offset) * row_stride : rows[0];
-      if (++offset == block_size) offset = 0, ++block;
-    }
-    {  // the next chunk's rows, on their way in while this one computes
-      int64_t next_block = (t0 + kChunk) / block_size, next_offset = (t0 + kChunk) % block_size;
-      const int64_t next_n = std::min(kChunk, p1 - t0 - kChunk);
-      for (int64_t j = 0; j < next_n; ++j) {
-        const int64_t row = (table[next_block] * block_size + next_offset) * row_stride;
+    // The next chunk's rows, on their way in while this one computes.
+    const int64_t next_n = std::min(kChunk, p1 - t0 - kChunk);
+    if (next_n > 0) {
+      chunk_rows(table, block_size, row_stride, t0 + kChunk, next_n, next_rows);
+      for (int64_t j = 0; j < next_n; ++j)
         for (int64_t line = 0; line < pairs; ++line) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_base + row + 32 * line), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(v_base + row + 32 * line), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(k_base + next_rows[j] + 32 * line), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_base + next_rows[j] + 32 * line), _MM_HINT_T0);
         }
-        if (++next_offset == block_size) next_offset = 0, ++next_block;
-      }
     }
     for (int64_t g = 0; g < group; ++g) {
       __m512 dots[kChunk];
@@ -156,6 +161,7 @@ void attend_range(const __m512bh (&qv)[kMaxGroup][kMaxChunks / 2], int64_t group
         }
       }
     }
+    if (next_n > 0) std::copy(next_rows, next_rows + kChunk, rows);
   }
 }
 
