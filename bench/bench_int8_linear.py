@@ -28,8 +28,8 @@ from model_worker.models.linear import INT8_KERNEL_MAX_TOKENS, INT8_MAX_TOKENS  
 from model_worker.sequence import SamplingParams  # noqa: E402
 
 
-def unpack_int8_weight(packed: torch.Tensor, num_rows: int, num_cols: int) -> torch.Tensor:
-    """pack_int8_weight's inverse: [ceil(N/4), Kp/32, 4, 32] -> int8 [N, K]."""
+def unpack_row_blocks(packed: torch.Tensor, num_rows: int, num_cols: int) -> torch.Tensor:
+    """pack_row_blocks's inverse: [ceil(N/4), Kp/32, 4, 32] -> [N, K]."""
     blocks, col_blocks, rows, cols = packed.shape
     return packed.permute(0, 2, 1, 3).reshape(blocks * rows, col_blocks * cols)[:num_rows, :num_cols].contiguous()
 
@@ -43,7 +43,7 @@ def bench_batch(engine, batch: int, steps: int, base_id: int) -> dict[str, list[
         other = []
         for layer, (weight, _, _) in zip(layers, kernel, strict=True):
             num_cols = (layer.packed_weight if layer.packed_weight is not None else layer.weight).size(1)
-            plain = unpack_int8_weight(weight, layer.int8_scales.numel(), num_cols)
+            plain = unpack_row_blocks(weight, layer.int8_scales.numel(), num_cols)
             other.append((plain, torch.ops.aten._weight_int8pack_mm, INT8_MAX_TOKENS))
     else:  # above torch's int8 range the alternative is the bf16 weights
         other = [(w, matmul, 0) for w, matmul, _ in kernel]

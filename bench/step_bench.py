@@ -1,6 +1,7 @@
 """main() shared by the benches that time an engine's decode steps alternating between two modes
-(bench_packed_linear.py, bench_int8_linear.py, bench_llama_ops.py): --batch-sizes and --steps, the
-model worker's flags after `--`, one bf16 engine, one markdown row per batch size."""
+(bench_packed_linear.py, bench_int8_linear.py, bench_bf16_linear.py, bench_llama_ops.py):
+--batch-sizes and --steps, the model worker's flags after `--`, one bf16 engine, one markdown row
+per batch size."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from model_worker.cuda_graphs import DecodeGraphRunner
 from model_worker.device_transfer import tensor_on
 from model_worker.kernels import (
     DEFAULT_BUILD_ROOT,
+    bf16_linear_module,
     int8_linear_module,
     llama_ops_module,
     paged_decode_attention_fits,
@@ -157,7 +158,7 @@ class ModelRunner:
                  kv_cache_memory_bytes: int = 0, gpu_memory_utilization: float = 0.9,
                  int8_small_batch: bool = False, batch_invariant: bool = False,
                  cpu_decode_kernel: bool = True, kernel_build_root: Path = DEFAULT_BUILD_ROOT,
-                 decode_graphs: bool = False) -> None:
+                 decode_graphs: bool = False, bf16_small_batch: bool = False) -> None:
         config = json.loads((model_dir / "config.json").read_text())
         self.shape = model_shape(config)
         self.device = device
@@ -168,15 +169,16 @@ class ModelRunner:
             raise ValueError("--batch-invariant is implemented for the Llama family only, "
                              f"not architectures {config.get('architectures')}")
         # The C++ kernels where they build (--cpu-decode-kernel covers all of them): the int8 matmul,
-        # and the bf16 ones (decode attention, the Llama layers' small ops), which batch-invariant
-        # mode leaves to the torch ops it was checked with.
+        # and the bf16 ones (decode attention, the Llama layers' small ops, the small-step matmul),
+        # which batch-invariant mode leaves to the torch ops it was checked with.
         cpu_kernels = cpu_decode_kernel and device.type == "cpu"
         bf16_cpu_kernels = cpu_kernels and dtype == torch.bfloat16 and not batch_invariant
         if isinstance(s, HFShape):
             logger.warning("architectures %s have no native model here: running them through transformers, "
                            "one sequence at a time, without prefix caching (slower)", s.architectures)
-            if int8_small_batch:
-                raise ValueError("--int8-small-batch is only for natively run architectures "
+            if int8_small_batch or bf16_small_batch:
+                flag = "--int8-small-batch" if int8_small_batch else "--bf16-small-batch"
+                raise ValueError(f"{flag} is only for natively run architectures "
                                  "(Llama family, GPT-2), not the transformers fallback")
             self.model = HFCausalLM(model_dir, s, load_format, device, dtype)
         else:
@@ -194,12 +196,18 @@ class ModelRunner:
             weights = (dummy_weights(s, device=device if on_gpu else None, dtype=dtype if on_gpu else torch.float32)
                        if load_format == "dummy" else load_weights(model_dir))
             int8_kernel = int8_linear_module(kernel_build_root) if cpu_kernels and int8_small_batch else None
+            bf16_kernel = None
+            if bf16_small_batch:
+                bf16_kernel = bf16_linear_module(kernel_build_root) if bf16_cpu_kernels else None
+                if bf16_kernel is None:
+                    logger.warning("--bf16-small-batch: no bf16 matmul kernel here (needs bfloat16 weights on the CPU, "
+                                   "AVX512-BF16, a C++ compiler and --cpu-decode-kernel); every step uses oneDNN")
             if isinstance(s, GPT2Shape):
-                self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel)
+                self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel, bf16_kernel)
             else:
                 llama_ops = llama_ops_module(kernel_build_root) if bf16_cpu_kernels else None
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel,
-                                        llama_ops)
+                                        llama_ops, bf16_kernel)
         # The sampler's greedy argmax on the CPU (any dtype: it reads the float32 logits).
         sampling_ops = sampling_ops_module(kernel_build_root) if cpu_kernels else None
         self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = (

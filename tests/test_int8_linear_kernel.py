@@ -20,7 +20,7 @@ from model_worker.models.linear import (
     INT8_KERNEL_MAX_TOKENS,
     INT8_MAX_TOKENS,
     Linear,
-    pack_int8_weight,
+    pack_row_blocks,
     quantize_int8_per_channel,
 )
 
@@ -47,7 +47,7 @@ def _exact(x: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor) -> to
 
 def test_packing_puts_each_block_of_four_rows_in_one_stream():
     quantized = torch.arange(6 * 40, dtype=torch.int32).remainder(251).sub(125).to(torch.int8).view(6, 40)
-    packed = pack_int8_weight(quantized)
+    packed = pack_row_blocks(quantized)
     assert packed.shape == (2, 2, 4, 32)  # rows 6 -> 8, columns 40 -> 64, zero-padded
     assert torch.equal(packed[0, 0], quantized[0:4, 0:32])
     assert torch.equal(packed[1, 1, :2, :8], quantized[4:6, 32:40])
@@ -61,7 +61,7 @@ def test_packing_puts_each_block_of_four_rows_in_one_stream():
 def test_matches_the_dequantized_matmul(n, k, m):
     quantized, scales = _int8_weight(n, k, seed=n * 7 + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
-    got = module.int8_linear(x, pack_int8_weight(quantized), scales)
+    got = module.int8_linear(x, pack_row_blocks(quantized), scales)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     if m == 0:
         return
@@ -89,7 +89,7 @@ def test_largest_products_over_a_full_int32_chunk_do_not_overflow():
         quantized[1] = -127
         scales = torch.ones(4, dtype=torch.bfloat16)
         x = torch.ones(1, k, dtype=torch.bfloat16)
-        got = module.int8_linear(x, pack_int8_weight(quantized), scales).double()
+        got = module.int8_linear(x, pack_row_blocks(quantized), scales).double()
         assert torch.allclose(got, _exact(x, quantized, scales), rtol=2 ** -8), (k, got)
 
 
@@ -100,7 +100,7 @@ def test_zero_rows_stay_zero_and_a_non_finite_row_only_spoils_itself():
     x[1] = 0
     x[2, 5] = float("nan")
     x[3, 7] = float("inf")
-    got = module.int8_linear(x, pack_int8_weight(quantized), scales)
+    got = module.int8_linear(x, pack_row_blocks(quantized), scales)
     assert torch.equal(got[1], torch.zeros(64, dtype=torch.bfloat16))
     assert got[2].isnan().all() and got[3].isnan().all()
     exact = _exact(x[:1], quantized, scales)
@@ -115,10 +115,10 @@ def test_rows_of_tiny_or_huge_values_keep_their_range():
     tiny = torch.zeros(1, 64, dtype=torch.bfloat16)
     tiny[0, 0], tiny[0, 1] = 1e-36, 2.5e-37
     exact = tiny.double().sum().item()
-    assert abs(module.int8_linear(tiny, pack_int8_weight(ones), unit)[0, 0].item() - exact) <= exact / 128
+    assert abs(module.int8_linear(tiny, pack_row_blocks(ones), unit)[0, 0].item() - exact) <= exact / 128
     full, small = torch.full((4, 576), 127, dtype=torch.int8), torch.full((4,), 1e-4 / 127, dtype=torch.bfloat16)
     huge = torch.full((1, 576), 1e36, dtype=torch.bfloat16)
-    got = module.int8_linear(huge, pack_int8_weight(full), small).double()
+    got = module.int8_linear(huge, pack_row_blocks(full), small).double()
     expected = _exact(huge, full, small)
     assert got.isfinite().all() and ((got - expected).abs() <= expected.abs() / 128).all()
 
@@ -126,7 +126,7 @@ def test_rows_of_tiny_or_huge_values_keep_their_range():
 @needs_kernel
 def test_refuses_what_it_was_not_built_for():
     quantized, scales = _int8_weight(8, 64, seed=5)
-    packed = pack_int8_weight(quantized)
+    packed = pack_row_blocks(quantized)
     x = torch.randn(1, 64).bfloat16()
     with pytest.raises(RuntimeError, match="at most 8 rows"):
         module.int8_linear(torch.randn(9, 64).bfloat16(), packed, scales)
@@ -175,8 +175,8 @@ def test_model_runner_builds_its_int8_layers_on_the_kernel(tiny_model_dir):
     assert torch.nn.functional.cosine_similarity(a, b).min().item() > 0.9999
 
 
-def test_the_bench_unpacks_what_pack_int8_weight_packed():
-    from bench.bench_int8_linear import unpack_int8_weight
+def test_the_bench_unpacks_what_pack_row_blocks_packed():
+    from bench.bench_int8_linear import unpack_row_blocks
 
     quantized, _ = _int8_weight(37, 72, seed=8)
-    assert torch.equal(unpack_int8_weight(pack_int8_weight(quantized), 37, 72), quantized)
+    assert torch.equal(unpack_row_blocks(pack_row_blocks(quantized), 37, 72), quantized)

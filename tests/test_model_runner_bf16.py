@@ -1,5 +1,5 @@
-"""The CPU default dtype (bf16 where the CPU has native bf16) and the int8 small-step option on
-the real SmolLM2: answers stay right, and they agree with float32 where float32 is confident."""
+"""The CPU default dtype (bf16 where the CPU has native bf16) and the small-step options (int8
+weights, the bf16 kernel) on the real SmolLM2: answers stay right, and they agree with float32 where float32 is confident."""
 
 from __future__ import annotations
 
@@ -43,13 +43,14 @@ def test_auto_dtype_follows_the_cpu():
     assert resolve_dtype("auto", torch.device("cpu")) == expected
 
 
-@pytest.mark.parametrize("int8_small_batch", [False, True], ids=["bf16", "bf16+int8"])
-def test_bf16_answers_like_float32(smollm2_dir, chat_prompts, int8_small_batch):
+@pytest.mark.parametrize("small_steps", [{}, {"int8_small_batch": True}, {"bf16_small_batch": True}],
+                         ids=["bf16", "bf16+int8", "bf16+bf16-kernel"])
+def test_bf16_answers_like_float32(smollm2_dir, chat_prompts, small_steps):
     tokenizer, prompts = chat_prompts
     cpu = torch.device("cpu")
     fp32 = greedy(ModelRunner(smollm2_dir, "auto", cpu, torch.float32, 4, 256, kv_cache_tokens=1024), prompts, 24)
     bf16 = greedy(ModelRunner(smollm2_dir, "auto", cpu, torch.bfloat16, 4, 256, kv_cache_tokens=1024,
-                              int8_small_batch=int8_small_batch), prompts, 24)
+                              **small_steps), prompts, 24)
     assert "Paris" in tokenizer.decode(bf16[0])
     assert "4" in tokenizer.decode(bf16[1])
     # Lower precision may split from float32 late, where two tokens are close; the first few

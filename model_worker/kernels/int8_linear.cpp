@@ -16,7 +16,7 @@
 // instructions' worth: lanes go to float every 8192 columns (256 instructions), and the 16
 // lanes are summed as floats (their int32 sum could overflow).
 //
-// pack_int8_weight (Python, model_worker/models/linear.py) makes the packed layout;
+// pack_row_blocks (Python, model_worker/models/linear.py) makes the packed layout;
 // vectorized() is false where the compiler was not given AVX512-BW/VNNI (then the model keeps
 // torch's op).
 

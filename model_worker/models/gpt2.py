@@ -140,7 +140,8 @@ class GPT2Model:
     """Weights as plain tensors; forward(input_ids [T], metadata) -> hidden [T, E]."""
 
     def __init__(self, shape: GPT2Shape, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, int8_small_batch: bool = False, int8_kernel: ModuleType | None = None) -> None:
+                 dtype: torch.dtype, int8_small_batch: bool = False, int8_kernel: ModuleType | None = None,
+                 bf16_kernel: ModuleType | None = None) -> None:
         self.shape = shape
         self.device = device
         self.dtype = dtype
@@ -153,7 +154,7 @@ class GPT2Model:
         def conv1d(name: str) -> Linear:
             # Conv1D stores [in, out]; Linear wants [out, in] for F.linear.
             weight = weights.pop(name + ".weight").t().to(device=device, dtype=dtype).contiguous()
-            return Linear(weight, take(name + ".bias"), int8_small_batch, int8_kernel=int8_kernel)
+            return Linear(weight, take(name + ".bias"), int8_small_batch, 0, int8_kernel, bf16_kernel)
 
         self.wte = take("wte.weight")  # [V, E]
         self.wpe = take("wpe.weight")  # [n_positions, E]
@@ -171,7 +172,7 @@ class GPT2Model:
             })
         self.ln_f = (take("ln_f.weight"), take("ln_f.bias"))
         head = self.wte if s.tie_word_embeddings or "lm_head.weight" not in weights else take("lm_head.weight")
-        self.lm_head = Linear(head, None, int8_small_batch, int8_kernel=int8_kernel)
+        self.lm_head = Linear(head, None, int8_small_batch, 0, int8_kernel, bf16_kernel)
         self.act = ACTIVATIONS[s.activation]
 
     def _layer_norm(self, x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""A linear layer's weights, with an optional weight-only int8 copy for small steps on CPU.
+"""A linear layer's weights, with an optional copy for small steps on CPU (weight-only int8, or bf16
+packed for a streaming kernel).
 
 On CPU the bf16 weights are kept pre-packed in oneDNN's blocked layout. F.linear with a plain
 bf16 weight already runs oneDNN, but reorders the weight on every call; packing once (what
@@ -13,6 +14,11 @@ memory bandwidth: int8 weights (per output channel scales) halve the bytes of bf
 bf16 weights' memory again. The int8 matmul is model_worker/kernels/int8_linear.cpp where it
 builds (AVX512-VNNI, weights packed in 4-row blocks: 1.4-1.6x torch's _weight_int8pack_mm over
 a decode step's weights), else torch's op on the plain int8 rows.
+
+Without int8's rounding, --bf16-small-batch keeps a second bf16 copy packed the same way, for
+model_worker/kernels/bf16_linear.cpp (AVX512-BF16): it streams the weights near copy bandwidth where
+oneDNN's packed matmul reaches about 0.7 of it at 1-4 rows (bench/bench_bf16_linear.py), at the
+cost of the bf16 weights' memory again.
 """
 
 from __future__ import annotations
@@ -27,8 +33,12 @@ import torch.nn.functional as F
 # tokens: 15.0 ms against bf16's 18.8; the two meet near 12).
 INT8_MAX_TOKENS = 4
 INT8_KERNEL_MAX_TOKENS = 8
-# kernels/int8_linear.cpp's packed layout: blocks of this many output rows by this many columns.
-INT8_PACK_ROWS, INT8_PACK_COLS = 4, 32
+# Steps of at most this many tokens use the bf16 copy (kernels/bf16_linear.cpp); oneDNN's GEMM
+# catches up near 10 rows (scratch timing over SmolLM2's layer weights).
+BF16_KERNEL_MAX_TOKENS = 8
+# kernels/int8_linear.cpp's and bf16_linear.cpp's packed layout: blocks of this many output rows by
+# this many columns.
+PACK_BLOCK_ROWS, PACK_BLOCK_COLS = 4, 32
 # --batch-invariant: every GEMM has this many rows. Smaller tiles waste less on a 1-token
 # decode, larger ones run prefill faster; 16 kept float32 within ~2x of the default at 32 rows.
 BATCH_INVARIANT_ROW_TILE = 16
@@ -42,16 +52,18 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return quantized.contiguous(), scales.to(weight.dtype)
 
 
-def pack_int8_weight(quantized: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> [ceil(N/4), Kp/32, 4, 32], Kp = K rounded up to 32: each block of 4 output
-    rows one contiguous stream, as kernels/int8_linear.cpp reads it (zero rows and columns pad)."""
-    n, k = quantized.shape
-    padded = F.pad(quantized, (0, -k % INT8_PACK_COLS, 0, -n % INT8_PACK_ROWS))
-    blocks, cols = padded.shape[0] // INT8_PACK_ROWS, padded.shape[1] // INT8_PACK_COLS
-    return padded.view(blocks, INT8_PACK_ROWS, cols, INT8_PACK_COLS).permute(0, 2, 1, 3).contiguous()
+def pack_row_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/4), Kp/32, 4, 32], Kp = K rounded up to 32: each block of 4 output rows one
+    contiguous stream, as kernels/int8_linear.cpp and bf16_linear.cpp read it (zero rows and
+    columns pad)."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, -k % PACK_BLOCK_COLS, 0, -n % PACK_BLOCK_ROWS))
+    blocks, cols = padded.shape[0] // PACK_BLOCK_ROWS, padded.shape[1] // PACK_BLOCK_COLS
+    return padded.view(blocks, PACK_BLOCK_ROWS, cols, PACK_BLOCK_COLS).permute(0, 2, 1, 3).contiguous()
 
 
-def int8_small_batch_supported(weight: torch.Tensor) -> bool:
+def small_batch_supported(weight: torch.Tensor) -> bool:
+    """Whether the small-step copies (int8 or bf16) apply: bf16 weights on the CPU."""
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
 
 
@@ -76,12 +88,14 @@ class Linear:
     """y [T, N] = x [T, K] @ weight [N, K]^T (+ bias); `weight` is None when only the packed copy is kept."""
 
     __slots__ = ("weight", "packed_weight", "bias", "int8_weight", "int8_scales", "int8_matmul", "int8_max_tokens",
-                 "row_tile")
+                 "bf16_blocks", "bf16_matmul", "bf16_max_tokens", "out_features", "row_tile")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_small_batch: bool = False,
-                 row_tile: int = 0, int8_kernel: ModuleType | None = None):
-        """int8_kernel: kernels.int8_linear_module(), or None for torch's int8 op."""
+                 row_tile: int = 0, int8_kernel: ModuleType | None = None, bf16_kernel: ModuleType | None = None):
+        """int8_kernel: kernels.int8_linear_module(), or None for torch's int8 op. bf16_kernel:
+        kernels.bf16_linear_module() to keep the packed bf16 copy for small steps, or None."""
         self.weight = weight
+        self.out_features = weight.shape[0]
         self.bias = bias
         # > 0: batch-invariant mode, every GEMM has exactly row_tile rows (see _tiled).
         self.row_tile = row_tile
@@ -90,14 +104,23 @@ class Linear:
         if int8_small_batch and row_tile:
             raise ValueError("int8 small-batch weights switch kernels with the step's size; not batch-invariant")
         if int8_small_batch:
-            if not int8_small_batch_supported(weight):
+            if not small_batch_supported(weight):
                 raise ValueError("int8 small-batch weights need bfloat16 weights on the CPU")
             self.int8_weight, self.int8_scales = quantize_int8_per_channel(weight)
             if int8_kernel is not None:
-                self.int8_weight = pack_int8_weight(self.int8_weight)
+                self.int8_weight = pack_row_blocks(self.int8_weight)
                 self.int8_matmul, self.int8_max_tokens = int8_kernel.int8_linear, INT8_KERNEL_MAX_TOKENS
             else:
                 self.int8_matmul, self.int8_max_tokens = torch.ops.aten._weight_int8pack_mm, INT8_MAX_TOKENS
+        self.bf16_blocks = self.bf16_matmul = None
+        self.bf16_max_tokens = 0
+        if bf16_kernel is not None:
+            if int8_small_batch or row_tile:
+                raise ValueError("bf16 small-batch weights are neither for int8 small-batch nor batch-invariant layers")
+            if not small_batch_supported(weight):
+                raise ValueError("bf16 small-batch weights need bfloat16 weights on the CPU")
+            self.bf16_blocks = pack_row_blocks(weight)
+            self.bf16_matmul, self.bf16_max_tokens = bf16_kernel.bf16_linear, BF16_KERNEL_MAX_TOKENS
         # Batch-invariant mode keeps the plain GEMMs it was validated with.
         self.packed_weight = None if row_tile else pack_for_onednn(weight)
         if self.packed_weight is not None:
@@ -110,6 +133,9 @@ class Linear:
             return self._tiled(x)
         if 0 < x.shape[0] <= self.int8_max_tokens:
             y = self.int8_matmul(x, self.int8_weight, self.int8_scales)
+            return y if self.bias is None else y + self.bias
+        if 0 < x.shape[0] <= self.bf16_max_tokens:
+            y = self.bf16_matmul(x, self.bf16_blocks, self.out_features)
             return y if self.bias is None else y + self.bias
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

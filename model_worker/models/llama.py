@@ -136,9 +136,11 @@ class LlamaModel:
 
     def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, int8_small_batch: bool = False, batch_invariant: bool = False,
-                 int8_kernel: ModuleType | None = None, llama_ops: ModuleType | None = None) -> None:
-        """int8_kernel, llama_ops: kernels.int8_linear_module() and kernels.llama_ops_module(),
-        which the caller passes only for bf16 weights on the CPU (ModelRunner), or None for torch ops."""
+                 int8_kernel: ModuleType | None = None, llama_ops: ModuleType | None = None,
+                 bf16_kernel: ModuleType | None = None) -> None:
+        """int8_kernel, llama_ops, bf16_kernel: kernels.int8_linear_module(), kernels.llama_ops_module()
+        and kernels.bf16_linear_module() (--bf16-small-batch), which the caller passes only for bf16
+        weights on the CPU (ModelRunner), or None for torch ops."""
         self.shape = shape
         self.device = device
         self.dtype = dtype
@@ -150,6 +152,9 @@ class LlamaModel:
 
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=device, dtype=dtype).contiguous()
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, int8_small_batch, row_tile, int8_kernel, bf16_kernel)
 
         self.embed = take("model.embed_tokens.weight")  # [V, hidden]
         self.layers = []
@@ -163,11 +168,11 @@ class LlamaModel:
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             self.layers.append({
                 "input_norm": take(p + "input_layernorm.weight"),
-                "qkv": Linear(qkv, qkv_bias, int8_small_batch, row_tile, int8_kernel),
-                "o": Linear(take(p + "self_attn.o_proj.weight"), None, int8_small_batch, row_tile, int8_kernel),
+                "qkv": linear(qkv, qkv_bias),
+                "o": linear(take(p + "self_attn.o_proj.weight")),
                 "post_norm": take(p + "post_attention_layernorm.weight"),
-                "gate_up": Linear(gate_up, None, int8_small_batch, row_tile, int8_kernel),
-                "down": Linear(take(p + "mlp.down_proj.weight"), None, int8_small_batch, row_tile, int8_kernel),
+                "gate_up": linear(gate_up),
+                "down": linear(take(p + "mlp.down_proj.weight")),
             })
             if s.qk_norm:
                 # q's and k's per-head norm weights stacked [H + Hkv, D], to norm qk in one op.
@@ -175,9 +180,9 @@ class LlamaModel:
                                                         take(p + "self_attn.k_norm.weight").expand(s.num_kv_heads, -1)])
         self.norm = take("model.norm.weight")
         if s.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = Linear(self.embed, None, int8_small_batch, row_tile, int8_kernel)
+            self.lm_head = linear(self.embed)
         else:
-            self.lm_head = Linear(take("lm_head.weight"), None, int8_small_batch, row_tile, int8_kernel)
+            self.lm_head = linear(take("lm_head.weight"))
         # Rotary tables in float32 for every position, computed as transformers computes
         # them (outer product in float32, cos/sin, then cast) so positions match exactly.
         # Scaled rope types change inv_freq, and yarn scales cos and sin (attention_factor).

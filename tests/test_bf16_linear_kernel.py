@@ -1,0 +1,169 @@
+"""The compiled bf16 matmul for small CPU steps (model_worker/kernels/bf16_linear.cpp, --bf16-small-batch).
+
+Skipped where it cannot be used: a CPU without AVX512-BF16 or no C++ compiler; the model then keeps
+oneDNN's matmul for every step. Where both are there, a kernel that fails to build fails these
+tests instead of skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_worker import kernels
+from model_worker.config import Config
+from model_worker.model_runner import ModelRunner
+from model_worker.models.linear import BF16_KERNEL_MAX_TOKENS, Linear, pack_row_blocks
+
+CAN_BUILD = ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= kernels.cpu_flags()
+             and shutil.which(os.environ.get("CXX", "c++")) is not None)
+module = kernels.bf16_linear_module()
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no AVX512-BF16 CPU or no C++ compiler here")
+KERNEL_MAX_ROWS = 16  # what bf16_linear.cpp takes; Linear sends it at most BF16_KERNEL_MAX_TOKENS
+
+
+def test_the_kernel_builds_where_it_can():
+    assert (module is not None) == CAN_BUILD
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def _bound(x: torch.Tensor, weight: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """The bf16 output's rounding (2^-9 relative, taken as 2^-8) plus float32 sums of K products
+    (each exact in float32; K roundings of 2^-24 relative to the running sum's magnitude)."""
+    magnitude = x.double().abs() @ weight.double().abs().t()
+    return exact.abs() / 256 + x.shape[1] * 2.0 ** -23 * magnitude
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(576, 576), (960, 576), (576, 1536), (6, 40), (33, 100), (5, 8)],
+                         ids=["square", "qkv", "down", "padded-both", "odd", "under-one-column-block"])
+@pytest.mark.parametrize("m", list(range(0, KERNEL_MAX_ROWS + 1)))
+def test_matches_the_float64_matmul(n, k, m):
+    weight, x = _bf16(n, k, seed=n * 7 + k), _bf16(m, k, seed=m)
+    got = module.bf16_linear(x, pack_row_blocks(weight), n)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    if m == 0:
+        return
+    exact = x.double() @ weight.double().t()
+    assert ((got.double() - exact).abs() <= _bound(x, weight, exact)).all()
+    # oneDNN's bf16 matmul on the same weights: the two differ only in the order of float32 sums.
+    assert (got.double() - F.linear(x, weight).double()).abs().max() <= 2 * exact.abs().max() / 256
+
+
+@needs_kernel
+def test_a_non_contiguous_x_is_read_as_its_values():
+    weight = _bf16(64, 96, seed=1)
+    x = _bf16(96, 3, seed=2).t()  # [3, 96], column-major
+    assert torch.equal(module.bf16_linear(x, pack_row_blocks(weight), 64),
+                       module.bf16_linear(x.contiguous(), pack_row_blocks(weight), 64))
+
+
+@needs_kernel
+def test_zero_rows_stay_zero_and_a_non_finite_row_only_spoils_itself():
+    weight = _bf16(64, 96, seed=3)
+    x = _bf16(4, 96, seed=4)
+    x[1] = 0
+    x[2, 5] = float("nan")
+    x[3, 7] = float("inf")
+    got = module.bf16_linear(x, pack_row_blocks(weight), 64)
+    assert torch.equal(got[1], torch.zeros(64, dtype=torch.bfloat16))
+    assert got[2].isnan().all()
+    assert not got[3].isfinite().any()  # +-inf, or NaN where inf meets a zero weight
+    exact = x[:1].double() @ weight.double().t()
+    assert ((got[0].double() - exact).abs() <= _bound(x[:1], weight, exact)).all()
+
+
+@needs_kernel
+def test_refuses_what_it_was_not_built_for():
+    weight = _bf16(8, 64, seed=5)
+    packed = pack_row_blocks(weight)
+    x = _bf16(1, 64, seed=6)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        module.bf16_linear(_bf16(17, 64, seed=7), packed, 8)
+    with pytest.raises(RuntimeError, match="columns"):
+        module.bf16_linear(_bf16(1, 96, seed=8), packed, 8)
+    with pytest.raises(RuntimeError, match="out_features"):
+        module.bf16_linear(x, packed, 3)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        module.bf16_linear(x.float(), packed, 8)
+    with pytest.raises(RuntimeError, match="packed"):
+        module.bf16_linear(x, weight, 8)  # the plain [N, K] rows
+    with pytest.raises(RuntimeError, match="packed"):
+        module.bf16_linear(x, packed.float(), 8)
+
+
+@needs_kernel
+def test_linear_uses_the_kernel_up_to_its_row_limit_and_onednn_beyond():
+    weight, bias = _bf16(96, 64, seed=9), _bf16(96, seed=10)
+    layer = Linear(weight, bias, bf16_kernel=module)
+    plain = Linear(weight, bias)
+    assert layer.bf16_blocks.shape == (24, 2, 4, 32)
+    for rows in range(1, BF16_KERNEL_MAX_TOKENS + 3):
+        x = _bf16(rows, 64, seed=rows)
+        got = layer(x)
+        if rows <= BF16_KERNEL_MAX_TOKENS:
+            # The kernel's product rounded to bf16, then the bias added in bf16 (as the int8 path does).
+            expected = module.bf16_linear(x, layer.bf16_blocks, 96) + bias
+            assert torch.equal(got, expected)
+            assert (got.float() - plain(x).float()).abs().max() <= plain(x).float().abs().max() / 64
+        else:
+            assert torch.equal(got, plain(x))
+    assert layer(torch.zeros(0, 64).bfloat16()).shape == (0, 96)
+
+
+def test_linear_refuses_a_bf16_copy_it_cannot_use():
+    stub = object()  # never called: each of these is refused before any packing
+    with pytest.raises(ValueError, match="bfloat16 weights on the CPU"):
+        Linear(torch.randn(8, 8), bf16_kernel=stub)
+    with pytest.raises(ValueError, match="int8 small-batch"):
+        Linear(torch.randn(8, 8).bfloat16(), int8_small_batch=True, bf16_kernel=stub)
+    with pytest.raises(ValueError, match="batch-invariant"):
+        Linear(torch.randn(8, 8).bfloat16(), row_tile=16, bf16_kernel=stub)
+
+
+@pytest.mark.parametrize("other", [{"int8_small_batch": True}, {"batch_invariant": True}, {"dtype": "float32"}],
+                         ids=["int8", "batch-invariant", "float32"])
+def test_config_refuses_the_flag_with_paths_it_does_not_serve(other):
+    with pytest.raises(ValueError, match="--bf16-small-batch"):
+        Config(bf16_small_batch=True, **other)
+
+
+@needs_kernel
+def test_model_runner_builds_its_layers_on_the_kernel(tiny_model_dir):
+    def runner(**kwargs) -> ModelRunner:
+        return ModelRunner(tiny_model_dir, "dummy", torch.device("cpu"), torch.bfloat16, 2, 64, kv_cache_tokens=128,
+                           **kwargs)
+
+    with_kernel, without = runner(bf16_small_batch=True), runner()
+    assert with_kernel.model.lm_head.bf16_blocks is not None and without.model.lm_head.bf16_blocks is None
+    assert all(layer["qkv"].bf16_blocks is not None for layer in with_kernel.model.layers)
+    # --cpu-decode-kernel off takes the kernel away with the others: oneDNN for every step.
+    assert runner(bf16_small_batch=True, cpu_decode_kernel=False).model.lm_head.bf16_blocks is None
+    hidden = _bf16(3, with_kernel.shape.hidden_size, seed=11)
+    a, b = with_kernel.model.logits(hidden).float(), without.model.logits(hidden).float()
+    assert not torch.equal(a, b)  # the kernel ran: its sums are ordered unlike oneDNN's
+    assert F.cosine_similarity(a, b).min().item() > 0.9999
+
+
+@needs_kernel
+def test_gpt2_layers_with_their_biases_run_on_the_kernel(tmp_path, tiny_model_dir):
+    from tests.test_model_gpt2 import tiny_gpt2
+
+    _, model_dir = tiny_gpt2(tmp_path, tiny_model_dir)
+
+    def runner(**kwargs) -> ModelRunner:
+        return ModelRunner(model_dir, "auto", torch.device("cpu"), torch.bfloat16, 2, 64, **kwargs)
+
+    with_kernel, without = runner(bf16_small_batch=True), runner()
+    layer, plain = with_kernel.model.layers[0]["qkv"], without.model.layers[0]["qkv"]
+    assert layer.bf16_blocks is not None and layer.bias is not None
+    x = _bf16(2, with_kernel.model.shape.hidden_size, seed=12)
+    got, expected = layer(x).float(), plain(x).float()
+    assert ((got - expected).abs() <= expected.abs() / 64 + 2 ** -6).all()
