@@ -14,7 +14,7 @@ import grpc
 
 from detok_worker.render import renderer_for
 from detok_worker.stream import BadFrameError, DetokenizeStream, OpenDecoding
-from detok_worker.token_bytes import decoding_for_identity
+from detok_worker.token_table import decoding_with_tables
 from tokenwire.packing import unpack_int32
 from tokenwire.v1 import detok_worker_pb2, detok_worker_pb2_grpc
 
@@ -24,7 +24,7 @@ SERVICE_FULL_NAME = detok_worker_pb2.DESCRIPTOR.services_by_name["Detokenizer"].
 
 
 class DetokenizerServicer(detok_worker_pb2_grpc.DetokenizerServicer):
-    def __init__(self, open_decoding: OpenDecoding = decoding_for_identity) -> None:
+    def __init__(self, open_decoding: OpenDecoding = decoding_with_tables) -> None:
         self._open_decoding = open_decoding
 
     async def Detokenize(

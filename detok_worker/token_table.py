@@ -13,7 +13,8 @@ import functools
 import numpy as np
 
 from detok_worker.stop_strings import StopStringMatcher
-from detok_worker.token_bytes import TokenBytes
+from detok_worker.token_bytes import TokenBytes, TokenizerDecoding, decoding_for_identity
+from tokenwire.v1 import common_pb2
 
 
 def held_back(data: bytes) -> bool:
@@ -221,3 +222,14 @@ class TokenTable:
 @functools.lru_cache(maxsize=8)
 def token_table_for(token_bytes: TokenBytes) -> TokenTable:
     return TokenTable(token_bytes)
+
+
+def decoding_with_tables(identity: common_pb2.TokenizerIdentity) -> TokenizerDecoding:
+    """decoding_for_identity, with the column path's tables of a byte-level tokenizer built as
+    well: a tokenizer's whole first-use cost (SmolLM2's: ~0.6 s to load, ~0.14 s of tables) is
+    paid when it loads, so the gateway's warm-up RenderTokens takes all of it, not a first
+    request. Cached like both parts, so later opens cost two lookups."""
+    decoding = decoding_for_identity(identity)
+    for token_bytes in (decoding.token_bytes or {}).values():
+        token_table_for(token_bytes)
+    return decoding

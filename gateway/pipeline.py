@@ -95,6 +95,7 @@ class Pipeline:
         # in-gateway fallback with the same convention.
         self.renderer = DetokRenderer(self._render_tokens)
         for detok in self.detoks:
+            detok.tokenizer = self.model_info.tokenizer
             await detok.stream.start(max(deadline - time.monotonic(), 1.0))
 
     async def close(self) -> None:

@@ -1,0 +1,106 @@
+"""The gateway warms each detok replica's tokenizer before its Detokenize stream opens.
+
+A replica loads a tokenizer (and builds its tables) at the first sequence that names it: ~0.8 s
+for SmolLM2, which a first request would otherwise wait for. A fake Detokenizer records what
+reaches it in what order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from detok_worker.servicer import DetokenizerServicer
+from detok_worker.token_table import decoding_with_tables, token_table_for
+from gateway.detok_client import DetokClient
+from tokenwire.packing import unpack_int32
+from tokenwire.v1 import common_pb2, detok_worker_pb2, detok_worker_pb2_grpc
+
+TOKENIZER = common_pb2.TokenizerIdentity(path="/models/m", sha256="ab" * 32)
+
+
+class RecordingDetokenizer(detok_worker_pb2_grpc.DetokenizerServicer):
+    def __init__(self, refuse_render: bool = False) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.refuse_render = refuse_render
+
+    async def RenderTokens(self, request, context):
+        self.calls.append(("RenderTokens", request))
+        if self.refuse_render:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "cannot load tokenizer '/models/m'")
+        return detok_worker_pb2.RenderedTokens()
+
+    async def Detokenize(self, request_iterator: AsyncIterator, context):
+        self.calls.append(("Detokenize", None))
+        async for frame in request_iterator:
+            yield detok_worker_pb2.TextDeltaFrame()
+
+
+async def _open_client(servicer: RecordingDetokenizer, tokenizer: common_pb2.TokenizerIdentity | None):
+    server = grpc.aio.server()
+    detok_worker_pb2_grpc.add_DetokenizerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    client = DetokClient(0, f"127.0.0.1:{port}", channel, lambda index, frame: None, lambda index, error: None)
+    client.tokenizer = tokenizer
+    await client.stream.start(10.0)
+    for _ in range(100):  # the call is open on our side; wait until the server has seen it
+        if any(name == "Detokenize" for name, _ in servicer.calls):
+            break
+        await asyncio.sleep(0.01)
+    return server, channel, client
+
+
+async def _close(server, channel, client) -> None:
+    await client.stream.close()
+    await channel.close()
+    await server.stop(None)
+
+
+async def test_the_tokenizer_is_warmed_before_the_stream_opens():
+    servicer = RecordingDetokenizer()
+    server, channel, client = await _open_client(servicer, TOKENIZER)
+    try:
+        assert [name for name, _ in servicer.calls] == ["RenderTokens", "Detokenize"]
+        request = servicer.calls[0][1]
+        assert request.tokenizer == TOKENIZER and unpack_int32(request.token_ids) == [0]
+    finally:
+        await _close(server, channel, client)
+
+
+async def test_a_failed_warm_up_still_opens_the_stream(caplog):
+    servicer = RecordingDetokenizer(refuse_render=True)
+    server, channel, client = await _open_client(servicer, TOKENIZER)
+    try:
+        assert client.stream.connected
+        assert [name for name, _ in servicer.calls] == ["RenderTokens", "Detokenize"]
+        assert "warming tokenizer /models/m failed (FAILED_PRECONDITION" in caplog.text
+    finally:
+        await _close(server, channel, client)
+
+
+async def test_without_a_tokenizer_nothing_is_warmed():
+    servicer = RecordingDetokenizer()
+    server, channel, client = await _open_client(servicer, None)
+    try:
+        assert [name for name, _ in servicer.calls] == ["Detokenize"]
+    finally:
+        await _close(server, channel, client)
+
+
+@pytest.mark.slow
+def test_the_detok_worker_builds_the_column_tables_when_it_loads_a_tokenizer(smollm2_dir):
+    from tokenwire.tokenizer_files import tokenizer_identity
+
+    assert DetokenizerServicer()._open_decoding is decoding_with_tables
+    token_table_for.cache_clear()
+    decoding = decoding_with_tables(tokenizer_identity(smollm2_dir))
+    assert decoding.token_bytes  # SmolLM2's is byte-level
+    hits_before = token_table_for.cache_info().hits
+    for token_bytes in decoding.token_bytes.values():
+        token_table_for(token_bytes)
+    assert token_table_for.cache_info().hits == hits_before + len(decoding.token_bytes)
