@@ -24,7 +24,7 @@ from model_worker.sequence import SamplingParams  # noqa: E402
 
 
 def linear_layers(model) -> list[Linear]:
-    """Every Linear of a native Llama-family model (its per-layer dicts and lm_head)."""
+    """Every Linear of a native model (its per-layer dicts and lm_head)."""
     return [v for layer in model.layers for v in layer.values() if isinstance(v, Linear)] + [model.lm_head]
 
 

@@ -6,10 +6,13 @@ read) / the device's copy bandwidth. This measures that bandwidth (a large tenso
 read + written per second), builds the model with dummy weights (default: a Llama-3-8B-shaped
 config in bf16, made on the device), prefills B sequences of --context tokens, and times whole
 engine decode steps (scheduler, forward, sampler, the one host sync), eager and, on CUDA,
-replayed from CUDA graphs, steps alternating on one engine.
+replayed from CUDA graphs, steps alternating on one engine. On a CPU, --bf16-small-batch adds
+steps whose small matmuls run on the bf16 kernel (model_worker/kernels/bf16_linear.cpp) beside
+the eager ones on oneDNN; the roofline is the same, since either reads one copy of the weights.
 
     .venv/bin/python -m bench.decode_roofline --batch-sizes 1,8 --context 512        # CUDA, Llama-3-8B shape
     .venv/bin/python -m bench.decode_roofline --shape smollm2-135m --device cpu --batch-sizes 1
+    .venv/bin/python -m bench.decode_roofline --shape smollm2-135m --device cpu --threads 2 --bf16-small-batch
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from pathlib import Path
 
 import torch
 
+from bench.bench_packed_linear import linear_layers
 from bench.model_shapes import SHAPES, write_shape_dir
 from model_worker.engine import LLMEngine
 from model_worker.kv_cache import kv_bytes_per_token
 from model_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from model_worker.models.hf_fallback import HFCausalLM
-from model_worker.models.linear import Linear
+from model_worker.models.linear import BF16_KERNEL_MAX_TOKENS, Linear
 from model_worker.sequence import SamplingParams
 
 BLOCK_SIZE = 16  # the model worker's default
@@ -101,7 +105,15 @@ def time_decode_steps(runner: ModelRunner, batch: int, context: int, steps: int,
     """Step times (s) per mode over `steps` decode steps each, modes alternating step by step on one
     engine after `warmup` steps of each; and the mean context length of the timed steps."""
     graphs = runner.decode_graphs
-    modes = ["eager"] + (["cuda_graphs"] if graphs is not None and graphs.capture else [])
+    kernel_layers = [layer for layer in linear_layers(runner.model) if layer.bf16_blocks is not None]
+    modes = (["eager"] + (["cuda_graphs"] if graphs is not None and graphs.capture else [])
+             + (["bf16_kernel"] if kernel_layers else []))
+
+    def set_mode(mode: str) -> None:
+        runner.decode_graphs = graphs if mode == "cuda_graphs" else None
+        for layer in kernel_layers:  # eager: oneDNN for every step, as without --bf16-small-batch
+            layer.bf16_max_tokens = BF16_KERNEL_MAX_TOKENS if mode == "bf16_kernel" else 0
+
     engine = LLMEngine(runner, [], max_num_seqs=batch, max_num_batched_tokens=STEP_TOKENS,
                        max_waiting_requests=batch)
     gen = torch.Generator().manual_seed(seed)
@@ -118,7 +130,7 @@ def time_decode_steps(runner: ModelRunner, batch: int, context: int, steps: int,
     contexts: list[int] = []
     for step in range(total_steps):
         mode = modes[step % len(modes)]
-        runner.decode_graphs = graphs if mode == "cuda_graphs" else None
+        set_mode(mode)
         context_now = statistics.fmean(s.num_tokens - 1 for s in engine.scheduler.running)
         began = time.perf_counter()
         outputs = engine.step()  # the sampler's host copy waits for the device: the step is done
@@ -130,6 +142,8 @@ def time_decode_steps(runner: ModelRunner, batch: int, context: int, steps: int,
             times[mode].append(elapsed)
             contexts.append(context_now)
     runner.decode_graphs = graphs
+    for layer in kernel_layers:
+        layer.bf16_max_tokens = BF16_KERNEL_MAX_TOKENS
     return times, statistics.fmean(contexts)
 
 
@@ -147,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: time eager steps only")
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="size of the copy that measures bandwidth")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
+    parser.add_argument("--bf16-small-batch", action="store_true",
+                        help="CPU, bf16: also time steps on the bf16 small-step kernel (mode bf16_kernel)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
@@ -174,7 +190,12 @@ def main(argv: list[str] | None = None) -> dict:
                              # Room for every sequence's whole context: no preemption mid-run.
                              kv_cache_tokens=max_batch * -(-max_model_len // BLOCK_SIZE) * BLOCK_SIZE,
                              block_size=BLOCK_SIZE,
-                             decode_graphs=device.type == "cuda" and not args.no_cuda_graphs)
+                             decode_graphs=device.type == "cuda" and not args.no_cuda_graphs,
+                             bf16_small_batch=args.bf16_small_batch)
+    if args.bf16_small_batch and not isinstance(runner.model, HFCausalLM) and not any(
+            layer.bf16_blocks is not None for layer in linear_layers(runner.model)):
+        raise SystemExit("--bf16-small-batch: no bf16 kernel here (needs --dtype bfloat16 on a CPU with AVX512-BF16 "
+                         "and a C++ compiler)")
     if isinstance(runner.model, HFCausalLM):
         raise SystemExit(f"{model_dir}: architectures {runner.shape.architectures} run through the transformers "
                          "fallback, whose weights this bench cannot count; use a Llama-family or GPT-2 config")

@@ -56,3 +56,30 @@ def test_bad_arguments_are_refused():
         decode_roofline.parse_args(["--batch-sizes", "0"])
     with pytest.raises(SystemExit):
         decode_roofline.parse_args(["--steps", "0"])
+
+
+def test_bf16_kernel_steps_are_timed_beside_the_eager_ones(tiny_model_dir):
+    from model_worker import kernels
+
+    if kernels.bf16_linear_module() is None:
+        with pytest.raises(SystemExit, match="no bf16 kernel here"):
+            decode_roofline.main(["--model-dir", str(tiny_model_dir), "--device", "cpu", "--dtype", "bfloat16",
+                                  "--batch-sizes", "1", "--context", "8", "--steps", "2", "--warmup", "0",
+                                  "--bandwidth-bytes", str(8 << 20), "--bf16-small-batch"])
+        return
+    report = decode_roofline.main(["--model-dir", str(tiny_model_dir), "--device", "cpu", "--dtype", "bfloat16",
+                                   "--batch-sizes", "1,2", "--context", "8", "--steps", "3", "--warmup", "1",
+                                   "--bandwidth-bytes", str(8 << 20), "--bf16-small-batch"])
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    for result in report["results"]:
+        assert set(result["step_ms"]) == {"eager", "bf16_kernel"}
+        assert result["step_ms"]["bf16_kernel"] > 0
+        # One copy of the weights counted, in bf16, whichever path reads it.
+        assert result["weight_bytes"] == 2 * llama_weight_elements(config)
+
+
+def test_bf16_kernel_steps_need_bf16_weights(tiny_model_dir):
+    with pytest.raises(SystemExit, match="no bf16 kernel here"):
+        decode_roofline.main(["--model-dir", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",
+                              "--batch-sizes", "1", "--context", "8", "--steps", "2", "--warmup", "0",
+                              "--bandwidth-bytes", str(8 << 20), "--bf16-small-batch"])
