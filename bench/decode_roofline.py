@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
                              block_size=BLOCK_SIZE,
                              decode_graphs=device.type == "cuda" and not args.no_cuda_graphs,
                              bf16_small_batch=args.bf16_small_batch)
-    if args.bf16_small_batch and not isinstance(runner.model, HFCausalLM) and not any(
-            layer.bf16_blocks is not None for layer in linear_layers(runner.model)):
+    if args.bf16_small_batch and not any(layer.bf16_blocks is not None for layer in linear_layers(runner.model)):
         raise SystemExit("--bf16-small-batch: no bf16 kernel here (needs --dtype bfloat16 on a CPU with AVX512-BF16 "
                          "and a C++ compiler)")
     if isinstance(runner.model, HFCausalLM):

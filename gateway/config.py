@@ -41,6 +41,9 @@ class Config:
         "help": "model id clients send and see; default: the model worker's model id"})
     startup_timeout_s: float = field(default=300.0, metadata={
         "help": "how long to wait for the workers at start"})
+    detok_warmup_timeout_s: float = field(default=10.0, metadata={
+        "help": "before each detok stream opens, how long the replica may take to load the model's tokenizer "
+                "(one RenderTokens); past it the stream opens anyway and the first request waits for the load"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
     api_key: list[str] = field(default_factory=list, metadata={
         "help": "API keys clients must send (Authorization: Bearer KEY), comma-separated; empty: no check"})
@@ -88,6 +91,8 @@ class Config:
             raise ValueError("--model-workers lists an address twice (each entry is one replica, or one DNS name)")
         if self.model_worker_dns_refresh_s <= 0:
             raise ValueError("--model-worker-dns-refresh-s must be > 0")
+        if self.detok_warmup_timeout_s <= 0:
+            raise ValueError("--detok-warmup-timeout-s must be > 0")
         if not self.detok_workers:
             raise ValueError("--detok-workers needs at least one address")
         if not 0 <= self.port < 65536:

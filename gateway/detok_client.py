@@ -28,7 +28,7 @@ ColumnRow = tuple[str, bytes, bool]
 class DetokClient:
     def __init__(self, index: int, address: str, channel: grpc.aio.Channel,
                  on_frame: Callable[[int, detok_worker_pb2.TextDeltaFrame], None],
-                 on_lost: Callable[[int, Exception], None]) -> None:
+                 on_lost: Callable[[int, Exception], None], warmup_timeout_s: float = 10.0) -> None:
         self.index = index
         self.address = address
         self.num_open_sequences = 0  # kept by the pipeline, for least-loaded placement
@@ -54,6 +54,7 @@ class DetokClient:
         self.columns_supported = True
         # The model's tokenizer, once the pipeline knows it: each (re)connect warms it (_warm).
         self.tokenizer: common_pb2.TokenizerIdentity | None = None
+        self._warmup_timeout_s = warmup_timeout_s
         self.health = WorkerHealth(f"detok worker {address}", channel)
         self.stream: FrameStream[detok_worker_pb2.DetokenizeFrame, detok_worker_pb2.TextDeltaFrame] = \
             WatchedFrameStream(self.health, f"detok worker {address}", channel, self._stub.Detokenize,
@@ -132,17 +133,19 @@ class DetokClient:
         self._closes.append(sequence_id)
         self.stream.wake()
 
-    async def _warm(self, timeout_s: float = 30.0) -> None:
+    async def _warm(self) -> None:
         """Before each stream opens: one RenderTokens of one id with the model's tokenizer, so the
         replica loads it (and builds its tables) now. Otherwise the first request it gets waits for
         that (measured with SmolLM2: a first streamed completion's first byte came 1.21 s after
         the request against 0.03 s for the next ones). A failure is only logged: the stream opens
-        anyway, and a request that needs the tokenizer gets the replica's error as before."""
+        anyway (after at most the warm-up timeout), and a request that needs the tokenizer gets the
+        replica's error, or waits for the load, as before."""
         if self.tokenizer is None:
             return
         try:
             await self.render_tokens(detok_worker_pb2.RenderTokensRequest(tokenizer=self.tokenizer,
-                                                                          token_ids=pack_int32([0])), timeout_s)
+                                                                          token_ids=pack_int32([0])),
+                                     self._warmup_timeout_s)
         except grpc.aio.AioRpcError as exc:
             logger.warning("detok worker %s: warming tokenizer %s failed (%s: %s)", self.address,
                            self.tokenizer.path, exc.code().name, exc.details())

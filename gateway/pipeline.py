@@ -63,7 +63,8 @@ class Pipeline:
         self.metrics = metrics
         self._channels = list(detok_channels)
         self.model_workers = ModelWorkerPool(config, self._on_replica_token_frame, self._on_model_lost)
-        self.detoks = [DetokClient(i, address, channel, self._on_text_delta_frame, self._on_detok_lost)
+        self.detoks = [DetokClient(i, address, channel, self._on_text_delta_frame, self._on_detok_lost,
+                                   config.detok_warmup_timeout_s)
                        for i, (address, channel) in enumerate(zip(config.detok_workers, detok_channels, strict=True))]
         self._live: dict[str, _LiveRequest] = {}
         # detok sequence id -> (request, output index)
@@ -94,9 +95,11 @@ class Pipeline:
         # Logprob tokens as the detok worker renders them; LocalRenderer(self.tokenizer) is the
         # in-gateway fallback with the same convention.
         self.renderer = DetokRenderer(self._render_tokens)
+        # All replicas at once: each first loads the tokenizer (its warm-up, DetokClient._warm).
         for detok in self.detoks:
             detok.tokenizer = self.model_info.tokenizer
-            await detok.stream.start(max(deadline - time.monotonic(), 1.0))
+        timeout_s = max(deadline - time.monotonic(), 1.0)
+        await asyncio.gather(*(detok.stream.start(timeout_s) for detok in self.detoks))
 
     async def close(self) -> None:
         for request in list(self._live.values()):

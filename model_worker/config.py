@@ -59,7 +59,7 @@ class Config(WorkerServerOptions):
     bf16_small_batch: bool = field(default=False, metadata={
         "help": "CPU + bfloat16 on AVX512-BF16: also keep the bf16 weights packed for a C++ matmul that streams "
                 "them near memory bandwidth, and use it for steps of <= 8 tokens (same weights, no int8 "
-                "rounding; 1.2-1.5x faster matmuls on those steps, +100%% weight memory)"})
+                "rounding; one-stream decode steps 1.3-1.5x faster, +100%% weight memory)"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "bitwise-identical tokens and logprobs for a request whatever else is batched with it "
                 "(fixed-shape GEMMs, attention one query at a time); trades speed for it, Llama family only"})
@@ -101,9 +101,10 @@ class Config(WorkerServerOptions):
             raise ValueError("--int8-small-batch switches kernels with the step's size; it cannot be batch-invariant")
         if self.int8_small_batch and self.dtype == "float32":
             raise ValueError("--int8-small-batch needs bfloat16 weights (--dtype auto or bfloat16 on a bf16 CPU)")
-        if self.bf16_small_batch and (self.int8_small_batch or self.batch_invariant or self.dtype == "float32"):
-            raise ValueError("--bf16-small-batch is a bfloat16 path of its own: not with --int8-small-batch, "
-                             "--batch-invariant or --dtype float32")
+        if self.bf16_small_batch and (self.int8_small_batch or self.batch_invariant or self.dtype == "float32"
+                                      or self.device == "cuda"):
+            raise ValueError("--bf16-small-batch is a CPU bfloat16 path of its own: not with --int8-small-batch, "
+                             "--batch-invariant, --dtype float32 or --device cuda")
         if self.cuda_graphs and self.device == "cpu":
             raise ValueError("--cuda-graphs needs a CUDA device, not --device cpu")
         if self.cuda_graphs and self.batch_invariant:

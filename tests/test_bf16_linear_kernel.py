@@ -46,8 +46,9 @@ def _bound(x: torch.Tensor, weight: torch.Tensor, exact: torch.Tensor) -> torch.
                          ids=["square", "qkv", "down", "padded-both", "odd", "under-one-column-block"])
 @pytest.mark.parametrize("m", list(range(0, KERNEL_MAX_ROWS + 1)))
 def test_matches_the_float64_matmul(n, k, m):
-    weight, x = _bf16(n, k, seed=n * 7 + k), _bf16(m, k, seed=m)
-    got = module.bf16_linear(x, pack_row_blocks(weight), n)
+    weight, x, bias = _bf16(n, k, seed=n * 7 + k), _bf16(m, k, seed=m), _bf16(n, seed=n)
+    packed = pack_row_blocks(weight)
+    got = module.bf16_linear(x, packed, n, k)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     if m == 0:
         return
@@ -55,14 +56,18 @@ def test_matches_the_float64_matmul(n, k, m):
     assert ((got.double() - exact).abs() <= _bound(x, weight, exact)).all()
     # oneDNN's bf16 matmul on the same weights: the two differ only in the order of float32 sums.
     assert (got.double() - F.linear(x, weight).double()).abs().max() <= 2 * exact.abs().max() / 256
+    # The bias is added in float32, before the one rounding to bf16.
+    with_bias = module.bf16_linear(x, packed, n, k, bias).double()
+    exact_with_bias = exact + bias.double()
+    assert ((with_bias - exact_with_bias).abs() <= _bound(x, weight, exact_with_bias)).all()
 
 
 @needs_kernel
 def test_a_non_contiguous_x_is_read_as_its_values():
     weight = _bf16(64, 96, seed=1)
     x = _bf16(96, 3, seed=2).t()  # [3, 96], column-major
-    assert torch.equal(module.bf16_linear(x, pack_row_blocks(weight), 64),
-                       module.bf16_linear(x.contiguous(), pack_row_blocks(weight), 64))
+    assert torch.equal(module.bf16_linear(x, pack_row_blocks(weight), 64, 96),
+                       module.bf16_linear(x.contiguous(), pack_row_blocks(weight), 64, 96))
 
 
 @needs_kernel
@@ -72,7 +77,7 @@ def test_zero_rows_stay_zero_and_a_non_finite_row_only_spoils_itself():
     x[1] = 0
     x[2, 5] = float("nan")
     x[3, 7] = float("inf")
-    got = module.bf16_linear(x, pack_row_blocks(weight), 64)
+    got = module.bf16_linear(x, pack_row_blocks(weight), 64, 96)
     assert torch.equal(got[1], torch.zeros(64, dtype=torch.bfloat16))
     assert got[2].isnan().all()
     assert not got[3].isfinite().any()  # +-inf, or NaN where inf meets a zero weight
@@ -81,22 +86,43 @@ def test_zero_rows_stay_zero_and_a_non_finite_row_only_spoils_itself():
 
 
 @needs_kernel
+def test_columns_past_k_are_not_read_from_the_next_row():
+    # K = 40: the last 32-column load of a row covers 8 of its columns; without the mask it would
+    # take 24 of the next row's (times the weights' zero padding: 0, unless they are inf or NaN)
+    # and, on the last row, read past the end of x.
+    weight = _bf16(8, 40, seed=13)
+    x = _bf16(2, 40, seed=14)
+    x[1, :24] = float("inf")
+    got = module.bf16_linear(x, pack_row_blocks(weight), 8, 40)
+    exact = x[:1].double() @ weight.double().t()
+    assert got[0].isfinite().all() and ((got[0].double() - exact).abs() <= _bound(x[:1], weight, exact)).all()
+
+
+@needs_kernel
 def test_refuses_what_it_was_not_built_for():
     weight = _bf16(8, 64, seed=5)
     packed = pack_row_blocks(weight)
     x = _bf16(1, 64, seed=6)
     with pytest.raises(RuntimeError, match="at most 16 rows"):
-        module.bf16_linear(_bf16(17, 64, seed=7), packed, 8)
-    with pytest.raises(RuntimeError, match="columns"):
-        module.bf16_linear(_bf16(1, 96, seed=8), packed, 8)
+        module.bf16_linear(_bf16(17, 64, seed=7), packed, 8, 64)
+    with pytest.raises(RuntimeError, match="x has 96 columns, the weight 64"):
+        module.bf16_linear(_bf16(1, 96, seed=8), packed, 8, 64)
+    with pytest.raises(RuntimeError, match="x has 50 columns, the weight 64"):
+        module.bf16_linear(_bf16(1, 50, seed=8), packed, 8, 64)  # fewer, within the packed padding
+    with pytest.raises(RuntimeError, match="in_features is 96"):
+        module.bf16_linear(_bf16(1, 96, seed=8), packed, 8, 96)
     with pytest.raises(RuntimeError, match="out_features"):
-        module.bf16_linear(x, packed, 3)
+        module.bf16_linear(x, packed, 3, 64)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        module.bf16_linear(x.float(), packed, 8)
+        module.bf16_linear(x.float(), packed, 8, 64)
     with pytest.raises(RuntimeError, match="packed"):
-        module.bf16_linear(x, weight, 8)  # the plain [N, K] rows
+        module.bf16_linear(x, weight, 8, 64)  # the plain [N, K] rows
     with pytest.raises(RuntimeError, match="packed"):
-        module.bf16_linear(x, packed.float(), 8)
+        module.bf16_linear(x, packed.float(), 8, 64)
+    with pytest.raises(RuntimeError, match="bias"):
+        module.bf16_linear(x, packed, 8, 64, _bf16(7, seed=9))
+    with pytest.raises(RuntimeError, match="bias"):
+        module.bf16_linear(x, packed, 8, 64, torch.zeros(8))
 
 
 @needs_kernel
@@ -109,10 +135,9 @@ def test_linear_uses_the_kernel_up_to_its_row_limit_and_onednn_beyond():
         x = _bf16(rows, 64, seed=rows)
         got = layer(x)
         if rows <= BF16_KERNEL_MAX_TOKENS:
-            # The kernel's product rounded to bf16, then the bias added in bf16 (as the int8 path does).
-            expected = module.bf16_linear(x, layer.bf16_blocks, 96) + bias
-            assert torch.equal(got, expected)
-            assert (got.float() - plain(x).float()).abs().max() <= plain(x).float().abs().max() / 64
+            assert torch.equal(got, module.bf16_linear(x, layer.bf16_blocks, 96, 64, bias))
+            exact = x.double() @ weight.double().t() + bias.double()
+            assert ((got.double() - exact).abs() <= _bound(x, weight, exact)).all()
         else:
             assert torch.equal(got, plain(x))
     assert layer(torch.zeros(0, 64).bfloat16()).shape == (0, 96)
@@ -128,8 +153,8 @@ def test_linear_refuses_a_bf16_copy_it_cannot_use():
         Linear(torch.randn(8, 8).bfloat16(), row_tile=16, bf16_kernel=stub)
 
 
-@pytest.mark.parametrize("other", [{"int8_small_batch": True}, {"batch_invariant": True}, {"dtype": "float32"}],
-                         ids=["int8", "batch-invariant", "float32"])
+@pytest.mark.parametrize("other", [{"int8_small_batch": True}, {"batch_invariant": True}, {"dtype": "float32"},
+                                   {"device": "cuda"}], ids=["int8", "batch-invariant", "float32", "cuda"])
 def test_config_refuses_the_flag_with_paths_it_does_not_serve(other):
     with pytest.raises(ValueError, match="--bf16-small-batch"):
         Config(bf16_small_batch=True, **other)

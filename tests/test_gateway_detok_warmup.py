@@ -8,6 +8,7 @@ reaches it in what order.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -15,6 +16,7 @@ import pytest
 
 from detok_worker.servicer import DetokenizerServicer
 from detok_worker.token_table import decoding_with_tables, token_table_for
+from gateway.config import Config
 from gateway.detok_client import DetokClient
 from tokenwire.packing import unpack_int32
 from tokenwire.v1 import common_pb2, detok_worker_pb2, detok_worker_pb2_grpc
@@ -23,29 +25,34 @@ TOKENIZER = common_pb2.TokenizerIdentity(path="/models/m", sha256="ab" * 32)
 
 
 class RecordingDetokenizer(detok_worker_pb2_grpc.DetokenizerServicer):
-    def __init__(self, refuse_render: bool = False) -> None:
+    def __init__(self, refuse_render: bool = False, hang_render: bool = False) -> None:
         self.calls: list[tuple[str, object]] = []
         self.refuse_render = refuse_render
+        self.hang_render = hang_render
 
     async def RenderTokens(self, request, context):
         self.calls.append(("RenderTokens", request))
+        if self.hang_render:
+            await asyncio.sleep(60)
         if self.refuse_render:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "cannot load tokenizer '/models/m'")
         return detok_worker_pb2.RenderedTokens()
 
     async def Detokenize(self, request_iterator: AsyncIterator, context):
         self.calls.append(("Detokenize", None))
-        async for frame in request_iterator:
+        async for _frame in request_iterator:
             yield detok_worker_pb2.TextDeltaFrame()
 
 
-async def _open_client(servicer: RecordingDetokenizer, tokenizer: common_pb2.TokenizerIdentity | None):
+async def _open_client(servicer: RecordingDetokenizer, tokenizer: common_pb2.TokenizerIdentity | None,
+                       warmup_timeout_s: float = 10.0):
     server = grpc.aio.server()
     detok_worker_pb2_grpc.add_DetokenizerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    client = DetokClient(0, f"127.0.0.1:{port}", channel, lambda index, frame: None, lambda index, error: None)
+    client = DetokClient(0, f"127.0.0.1:{port}", channel, lambda index, frame: None, lambda index, error: None,
+                         warmup_timeout_s)
     client.tokenizer = tokenizer
     await client.stream.start(10.0)
     for _ in range(100):  # the call is open on our side; wait until the server has seen it
@@ -81,6 +88,23 @@ async def test_a_failed_warm_up_still_opens_the_stream(caplog):
         assert "warming tokenizer /models/m failed (FAILED_PRECONDITION" in caplog.text
     finally:
         await _close(server, channel, client)
+
+
+async def test_a_hung_warm_up_delays_the_stream_only_by_its_timeout(caplog):
+    servicer = RecordingDetokenizer(hang_render=True)
+    began = time.monotonic()
+    server, channel, client = await _open_client(servicer, TOKENIZER, warmup_timeout_s=0.3)
+    try:
+        assert client.stream.connected
+        assert 0.3 <= time.monotonic() - began < 5
+        assert "warming tokenizer /models/m failed (DEADLINE_EXCEEDED" in caplog.text
+    finally:
+        await _close(server, channel, client)
+
+
+def test_the_warm_up_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="--detok-warmup-timeout-s"):
+        Config(detok_warmup_timeout_s=0)
 
 
 async def test_without_a_tokenizer_nothing_is_warmed():

@@ -181,7 +181,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vectorized", &vectorized, "whether this build has the AVX512-BW/VNNI kernel");
+  // Without the GIL, as oneDNN's matmul runs: the model worker's event loop keeps working meanwhile.
   m.def("int8_linear", &int8_linear,
         "y [M, N] bf16 = x [M, K] bf16 @ (packed int8 weight * scales [N])^T, M <= 8", pybind11::arg("x"),
-        pybind11::arg("packed"), pybind11::arg("scales"));
+        pybind11::arg("packed"), pybind11::arg("scales"), pybind11::call_guard<pybind11::gil_scoped_release>());
 }

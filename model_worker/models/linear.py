@@ -17,8 +17,8 @@ a decode step's weights), else torch's op on the plain int8 rows.
 
 Without int8's rounding, --bf16-small-batch keeps a second bf16 copy packed the same way, for
 model_worker/kernels/bf16_linear.cpp (AVX512-BF16): it streams the weights near copy bandwidth where
-oneDNN's packed matmul reaches about 0.7 of it at 1-4 rows (bench/bench_bf16_linear.py), at the
-cost of the bf16 weights' memory again.
+oneDNN's packed matmul reaches about 0.7 of it at 1-4 rows (scratch timing; decode steps 1.3-1.5x
+faster, bench/bench_bf16_linear.py), at the cost of the bf16 weights' memory again.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 # tokens: 15.0 ms against bf16's 18.8; the two meet near 12).
 INT8_MAX_TOKENS = 4
 INT8_KERNEL_MAX_TOKENS = 8
-# Steps of at most this many tokens use the bf16 copy (kernels/bf16_linear.cpp); oneDNN's GEMM
-# catches up near 10 rows (scratch timing over SmolLM2's layer weights).
+# Steps of at most this many tokens use the bf16 copy (kernels/bf16_linear.cpp): over SmolLM2's
+# layer weights it was 1.07-1.15x oneDNN's GEMM at 8 rows and slower from 12 (scratch timing).
 BF16_KERNEL_MAX_TOKENS = 8
 # kernels/int8_linear.cpp's and bf16_linear.cpp's packed layout: blocks of this many output rows by
 # this many columns.
@@ -88,14 +88,14 @@ class Linear:
     """y [T, N] = x [T, K] @ weight [N, K]^T (+ bias); `weight` is None when only the packed copy is kept."""
 
     __slots__ = ("weight", "packed_weight", "bias", "int8_weight", "int8_scales", "int8_matmul", "int8_max_tokens",
-                 "bf16_blocks", "bf16_matmul", "bf16_max_tokens", "out_features", "row_tile")
+                 "bf16_blocks", "bf16_matmul", "bf16_max_tokens", "out_features", "in_features", "row_tile")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_small_batch: bool = False,
                  row_tile: int = 0, int8_kernel: ModuleType | None = None, bf16_kernel: ModuleType | None = None):
         """int8_kernel: kernels.int8_linear_module(), or None for torch's int8 op. bf16_kernel:
         kernels.bf16_linear_module() to keep the packed bf16 copy for small steps, or None."""
         self.weight = weight
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.bias = bias
         # > 0: batch-invariant mode, every GEMM has exactly row_tile rows (see _tiled).
         self.row_tile = row_tile
@@ -135,8 +135,7 @@ class Linear:
             y = self.int8_matmul(x, self.int8_weight, self.int8_scales)
             return y if self.bias is None else y + self.bias
         if 0 < x.shape[0] <= self.bf16_max_tokens:
-            y = self.bf16_matmul(x, self.bf16_blocks, self.out_features)
-            return y if self.bias is None else y + self.bias
+            return self.bf16_matmul(x, self.bf16_blocks, self.out_features, self.in_features, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
