@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import openai.types as oai
 import openai.types.chat as oai_chat
+import pytest
 
 from gateway.errors import APIError, error_sse_event
 from gateway.request_state import GenerationEvent
@@ -20,6 +21,7 @@ from gateway.responses import (
     ChoiceOutput,
     CompletionResponder,
     PromptEcho,
+    UsageCounts,
     sse_event,
     sse_stream,
     usage,
@@ -236,7 +238,7 @@ def test_plain_stream_chunks_are_the_models_json_exactly() -> None:
 
     cases = [(text, finish) for text in TEXTS for finish in (None, "stop", "length")]
     for with_usage in (False, True):
-        for total in (None, usage(3, 7, 2)):
+        for total in (None, UsageCounts(3, 7, 2)):
             if total is not None and not with_usage:
                 continue
             for text, finish in cases:
@@ -246,9 +248,15 @@ def test_plain_stream_chunks_are_the_models_json_exactly() -> None:
                     ev = event(text, [120], finish)
                     assert fast._plain_choice_json(1, ev) is not None
                     reference = slow.chunk(1, ev)
-                    reference.usage = total
+                    reference.usage = total.model() if total is not None else None
                     want = reference.model_dump_json(exclude=None if with_usage else {"usage"})
                     assert fast.stream_chunk_json(1, ev, total, with_usage) == want
+
+
+@pytest.mark.parametrize("counts", [(0, 0, 0), (3, 7, 2), (123456, 654321, 99999)])
+def test_usage_counts_json_is_the_models_json_exactly(counts) -> None:
+    assert UsageCounts(*counts).json() == usage(*counts).model_dump_json()
+    assert UsageCounts(*counts).model() == usage(*counts)
 
 
 def test_chunks_with_logprobs_or_echo_go_through_the_models() -> None:
