@@ -1,6 +1,6 @@
 """What the Llama layers' C++ bf16 ops buy (kernels/llama_ops.cpp: RMSNorm fused with the residual
-add before it, rotary embedding with the KV cache write, the MLP's silu(gate) * up): SmolLM2 engine decode step times with
-the Llama forward on those ops vs on torch ops, side by side in one process.
+add before it, rotary embedding with the KV cache write, the MLP's silu(gate) * up): SmolLM2 engine
+decode step times with the Llama forward on those ops vs on torch ops, side by side in one process.
 
 One engine (the model worker's own build, from its flags, bf16) runs `--batch-size` greedy
 requests; after a warm-up its decode steps alternate between the two, so both see the same

@@ -1,5 +1,6 @@
 """The CPU default dtype (bf16 where the CPU has native bf16) and the small-step options (int8
-weights, the bf16 kernel) on the real SmolLM2: answers stay right, and they agree with float32 where float32 is confident."""
+weights, the bf16 kernel) on the real SmolLM2: answers stay right, and they agree with float32
+where float32 is confident."""
 
 from __future__ import annotations
 

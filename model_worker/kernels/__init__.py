@@ -139,8 +139,8 @@ def int8_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | No
 @functools.cache
 def bf16_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
     """The AVX512-BF16 bf16 matmul for small steps on packed weights (bf16_linear.cpp), or None."""
-    return _vectorized_module(BF16_LINEAR_SOURCE, {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}, build_root,
-                              "AVX512-BF16")
+    return _vectorized_module(BF16_LINEAR_SOURCE, {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"},
+                              build_root, "AVX512-BF16")
 
 
 @functools.cache

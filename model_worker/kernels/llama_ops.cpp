@@ -66,11 +66,6 @@ inline __m512 load_bf16_masked(const c10::BFloat16* p, __mmask16 mask) {
   return from_bf16(_mm256_maskz_loadu_epi16(mask, p));
 }
 
-// The lanes of a 16-column chunk that hold one of the `left` columns still to go.
-inline __mmask16 lanes(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
-
 // float32 -> bf16 as torch's casts do (c10::BFloat16): round to nearest even on the bits, NaN to
 // 0x7FC0. In integer instructions because VCVTNEPS2BF16 flushes subnormals to zero, which torch
 // does not.
@@ -96,7 +91,7 @@ void norm_row(const c10::BFloat16* x, const c10::BFloat16* delta, c10::BFloat16*
   // Pass 1: the residual sum (rounded to bf16, as the torch add would leave it) and its squares.
   __m512 squares = _mm512_setzero_ps();
   for (int64_t k = 0; k < H; k += 16) {
-    const __mmask16 mask = lanes(H - k);
+    const __mmask16 mask = tokenwire::lanes(H - k);
     __m512 v = load_bf16_masked(x + k, mask);
     if (delta != nullptr) {
       const __m256i rounded = to_bf16(_mm512_add_ps(v, load_bf16_masked(delta + k, mask)));
@@ -109,7 +104,7 @@ void norm_row(const c10::BFloat16* x, const c10::BFloat16* delta, c10::BFloat16*
   const __m512 rstd = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(H) + eps));
   // Pass 2: normalise, round to bf16, multiply by the weight, round again.
   for (int64_t k = 0; k < H; k += 16) {
-    const __mmask16 mask = lanes(H - k);
+    const __mmask16 mask = tokenwire::lanes(H - k);
     const __m512 normed = bf16_product(load_bf16_masked(source + k, mask), rstd);
     _mm256_mask_storeu_epi16(h + k, mask, to_bf16(_mm512_mul_ps(normed, load_bf16_masked(weight + k, mask))));
   }
@@ -135,7 +130,7 @@ inline void rotate_head(const c10::BFloat16* x, const c10::BFloat16* cos, const 
 void silu_and_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t I) {
   const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t k = 0; k < I; k += 16) {
-    const __mmask16 mask = lanes(I - k);
+    const __mmask16 mask = tokenwire::lanes(I - k);
     const __m512 g = load_bf16_masked(gate + k, mask);
     const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, tokenwire::exp_ps(negated(g))));
     const __m512 silu_rounded = from_bf16(to_bf16(silu));  // F.silu's bf16 output

@@ -102,7 +102,7 @@ void attend_range(const __m512bh (&qv)[kMaxGroup][kMaxChunks / 2], int64_t group
   chunk_rows(table, block_size, row_stride, p0, std::min(kChunk, p1 - p0), rows);
   for (int64_t t0 = p0; t0 < p1; t0 += kChunk) {
     const int64_t n = std::min(kChunk, p1 - t0);
-    const __mmask16 live = n == kChunk ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    const __mmask16 live = tokenwire::lanes(n);
     // The next chunk's rows, on their way in while this one computes.
     const int64_t next_n = std::min(kChunk, p1 - t0 - kChunk);
     if (next_n > 0) {

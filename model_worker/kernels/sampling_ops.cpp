@@ -21,6 +21,8 @@
 #if defined(__AVX512F__)
 #define TOKENWIRE_SAMPLING_OPS 1
 #include <immintrin.h>
+
+#include "vec_math.h"
 #endif
 
 namespace {
@@ -43,7 +45,7 @@ int64_t argmax_row(const float* x, int64_t V) {
   const __m512i step = _mm512_set1_epi32(16);
   __mmask16 nan_seen = 0;
   for (int64_t k = 0; k < V; k += 16) {
-    const __mmask16 live = V - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (V - k)) - 1);
+    const __mmask16 live = tokenwire::lanes(V - k);
     const __m512 v = _mm512_mask_loadu_ps(minus_inf, live, x + k);
     nan_seen |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     // Strictly greater: each lane keeps the first index of its own maximum.

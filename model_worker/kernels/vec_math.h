@@ -6,7 +6,15 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace tokenwire {
+
+// The lanes of a 16-wide step that hold one of the `left` elements still to go: all 16, or the
+// first `left` at a row's end.
+inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
 
 // exp(x) in float32 for any x: 2^n * e^r with |r| <= ln2/2 and a degree-6 polynomial for e^r
 // (relative error ~1e-7, about one float32 ulp). Overflows to inf as expf does (scalef takes the
