@@ -77,7 +77,7 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
                          config.block_size, config.kv_cache_tokens, config.kv_cache_memory_bytes,
                          config.gpu_memory_utilization, config.int8_small_batch, config.batch_invariant,
                          config.cpu_decode_kernel, Path(config.cache_dir) / "kernels", config.cuda_graphs,
-                         config.bf16_small_batch)
+                         config.bf16_small_batch, config.cpu_bf16_matmul)
     eos_ids = default_eos_ids(_read_json(model_dir / "generation_config.json"), hf_config)
     engine = LLMEngine(runner, eos_ids, config.max_num_seqs, config.max_num_batched_tokens,
                        config.max_waiting_requests, config.seed, config.enable_prefix_caching, config.max_best_of)

@@ -60,6 +60,12 @@ class Config(WorkerServerOptions):
         "help": "CPU + bfloat16 on AVX512-BF16: also keep the bf16 weights packed for a C++ matmul that streams "
                 "them near memory bandwidth, and use it for steps of <= 8 tokens (same weights, no int8 "
                 "rounding; one-stream decode steps 1.3-1.5x faster, +100%% weight memory)"})
+    cpu_bf16_matmul: str = field(default="auto", metadata={
+        "help": "CPU + bfloat16: the matmul of steps larger than --bf16-small-batch's. onednn: oneDNN's packed bf16 "
+                "GEMM (VDPBF16PS). kernels: the weights packed once for model_worker/kernels/bf16_linear.cpp, "
+                "steps of <= 8 tokens streamed as with --bf16-small-batch and larger ones in float32 FMAs, for CPUs "
+                "where VDPBF16PS is slow (no extra weight memory). auto: kernels where a ~60 ms product at startup "
+                "runs at least as fast on them as on oneDNN, else onednn"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "bitwise-identical tokens and logprobs for a request whatever else is batched with it "
                 "(fixed-shape GEMMs, attention one query at a time); trades speed for it, Llama family only"})
@@ -105,6 +111,12 @@ class Config(WorkerServerOptions):
                                       or self.device == "cuda"):
             raise ValueError("--bf16-small-batch is a CPU bfloat16 path of its own: not with --int8-small-batch, "
                              "--batch-invariant, --dtype float32 or --device cuda")
+        if self.cpu_bf16_matmul not in ("auto", "onednn", "kernels"):
+            raise ValueError(f"--cpu-bf16-matmul must be auto, onednn or kernels, not {self.cpu_bf16_matmul!r}")
+        if self.cpu_bf16_matmul == "kernels" and (self.int8_small_batch or self.batch_invariant
+                                                  or self.dtype == "float32" or self.device == "cuda"):
+            raise ValueError("--cpu-bf16-matmul kernels is a CPU bfloat16 path of its own: not with "
+                             "--int8-small-batch, --batch-invariant, --dtype float32 or --device cuda")
         if self.cuda_graphs and self.device == "cpu":
             raise ValueError("--cuda-graphs needs a CUDA device, not --device cpu")
         if self.cuda_graphs and self.batch_invariant:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from safetensors.torch import load_file
@@ -34,6 +35,7 @@ from model_worker.kv_cache import PagedKVCache, kv_bytes_per_token, num_kv_block
 from model_worker.models import gpt2
 from model_worker.models.gpt2 import GPT2Model, GPT2Shape
 from model_worker.models.hf_fallback import CacheBudget, HFCausalLM, HFShape
+from model_worker.models.linear import FMA_MATMUL_MIN_SPEEDUP, fma_matmul_speedup
 from model_worker.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from model_worker.models.llama import LlamaModel, LlamaShape
 from model_worker.scheduler import ScheduledChunk, SchedulerOutput
@@ -158,7 +160,8 @@ class ModelRunner:
                  kv_cache_memory_bytes: int = 0, gpu_memory_utilization: float = 0.9,
                  int8_small_batch: bool = False, batch_invariant: bool = False,
                  cpu_decode_kernel: bool = True, kernel_build_root: Path = DEFAULT_BUILD_ROOT,
-                 decode_graphs: bool = False, bf16_small_batch: bool = False) -> None:
+                 decode_graphs: bool = False, bf16_small_batch: bool = False,
+                 cpu_bf16_matmul: str = "onednn") -> None:
         config = json.loads((model_dir / "config.json").read_text())
         self.shape = model_shape(config)
         self.device = device
@@ -196,18 +199,18 @@ class ModelRunner:
             weights = (dummy_weights(s, device=device if on_gpu else None, dtype=dtype if on_gpu else torch.float32)
                        if load_format == "dummy" else load_weights(model_dir))
             int8_kernel = int8_linear_module(kernel_build_root) if cpu_kernels and int8_small_batch else None
-            bf16_kernel = None
-            if bf16_small_batch:
-                bf16_kernel = bf16_linear_module(kernel_build_root) if bf16_cpu_kernels else None
-                if bf16_kernel is None:
-                    logger.warning("--bf16-small-batch: no bf16 matmul kernel here (needs bfloat16 weights on the CPU, "
-                                   "AVX512-BF16, a C++ compiler and --cpu-decode-kernel); every step uses oneDNN")
+            bf16_kernel, bf16_all_steps = self._bf16_matmul(
+                bf16_linear_module(kernel_build_root)
+                if bf16_cpu_kernels and not int8_small_batch and (bf16_small_batch or cpu_bf16_matmul != "onednn")
+                else None,
+                bf16_small_batch, cpu_bf16_matmul)
             if isinstance(s, GPT2Shape):
-                self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel, bf16_kernel)
+                self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel, bf16_kernel,
+                                       bf16_all_steps)
             else:
                 llama_ops = llama_ops_module(kernel_build_root) if bf16_cpu_kernels else None
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel,
-                                        llama_ops, bf16_kernel)
+                                        llama_ops, bf16_kernel, bf16_all_steps)
         # The sampler's greedy argmax on the CPU (any dtype: it reads the float32 logits).
         sampling_ops = sampling_ops_module(kernel_build_root) if cpu_kernels else None
         self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = (
@@ -243,6 +246,28 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         if decode_graphs:
             self.decode_graphs = self._captured_decode_graphs(max_num_seqs, max_model_len)
+
+    @staticmethod
+    def _bf16_matmul(kernel: ModuleType | None, bf16_small_batch: bool,
+                     cpu_bf16_matmul: str) -> tuple[ModuleType | None, bool]:
+        """(bf16 kernel module or None, whether it takes every step) for Linear, from
+        --bf16-small-batch and --cpu-bf16-matmul; kernel: bf16_linear_module() where the model's
+        weights are bf16 on the CPU with the C++ kernels on, else None."""
+        all_steps = False
+        if kernel is not None and cpu_bf16_matmul == "kernels":
+            all_steps = True
+        elif kernel is not None and cpu_bf16_matmul == "auto":
+            speedup = fma_matmul_speedup(kernel)
+            all_steps = speedup >= FMA_MATMUL_MIN_SPEEDUP
+            logger.info("--cpu-bf16-matmul auto: the float32-FMA kernel ran a 256-row bf16 product %.2fx as fast as "
+                        "oneDNN's; using %s", speedup, "the kernels" if all_steps else "oneDNN")
+        elif cpu_bf16_matmul == "kernels":
+            logger.warning("--cpu-bf16-matmul kernels: no bf16 matmul kernel here (needs bfloat16 weights on the CPU, "
+                           "AVX512-BF16, a C++ compiler and --cpu-decode-kernel); every step uses oneDNN")
+        if bf16_small_batch and kernel is None:
+            logger.warning("--bf16-small-batch: no bf16 matmul kernel here (needs bfloat16 weights on the CPU, "
+                           "AVX512-BF16, a C++ compiler and --cpu-decode-kernel); every step uses oneDNN")
+        return (kernel if all_steps or bf16_small_batch else None), all_steps
 
     def _largest_decode_bucket_bytes(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
         """Device memory the graphs will hold (CUDA): the largest decode bucket's forward, run on a

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from model_worker import kernels
 from model_worker.config import Config
 from model_worker.model_runner import ModelRunner
-from model_worker.models.linear import BF16_KERNEL_MAX_TOKENS, Linear, pack_row_blocks
+from model_worker.models.linear import BF16_KERNEL_MAX_TOKENS, Linear, fma_matmul_speedup, pack_row_blocks
 
 CAN_BUILD = ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= kernels.cpu_flags()
              and shutil.which(os.environ.get("CXX", "c++")) is not None)
@@ -192,3 +192,116 @@ def test_gpt2_layers_with_their_biases_run_on_the_kernel(tmp_path, tiny_model_di
     x = _bf16(2, with_kernel.model.shape.hidden_size, seed=12)
     got, expected = layer(x).float(), plain(x).float()
     assert ((got - expected).abs() <= expected.abs() / 64 + 2 ** -6).all()
+
+
+# ---- bf16_linear_fma: larger steps in float32 FMAs (--cpu-bf16-matmul kernels) ----------------
+
+# Rows across the 4-row groups' tails, a group's full count, and the kernel's 128-row chunks of x.
+FMA_ROWS = [0, 1, 2, 3, 4, 5, 7, 9, 16, 33, 127, 128, 129, 300]
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(576, 576), (576, 1536), (6, 40), (33, 100), (5, 8)],
+                         ids=["square", "down", "padded-both", "odd", "under-one-column-block"])
+@pytest.mark.parametrize("m", FMA_ROWS)
+def test_fma_matmul_matches_the_float64_matmul(n, k, m):
+    weight, x, bias = _bf16(n, k, seed=n * 7 + k), _bf16(m, k, seed=m), _bf16(n, seed=n)
+    packed = pack_row_blocks(weight)
+    got = module.bf16_linear_fma(x, packed, n, k)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    if m == 0:
+        return
+    exact = x.double() @ weight.double().t()
+    assert ((got.double() - exact).abs() <= _bound(x, weight, exact)).all()
+    with_bias = module.bf16_linear_fma(x, packed, n, k, bias).double()
+    exact_with_bias = exact + bias.double()
+    assert ((with_bias - exact_with_bias).abs() <= _bound(x, weight, exact_with_bias)).all()
+    if m <= KERNEL_MAX_ROWS:  # the same products and sums as VDPBF16PS, in another order
+        streamed = module.bf16_linear(x, packed, n, k).double()
+        assert (got.double() - streamed).abs().max() <= 2 * exact.abs().max() / 256
+
+
+@needs_kernel
+def test_fma_matmul_masks_columns_past_k_and_keeps_rows_apart():
+    weight = _bf16(8, 40, seed=13)
+    x = _bf16(6, 40, seed=14)
+    x[1] = 0
+    x[2, 5] = float("nan")
+    x[3, :24] = float("inf")  # the row before it ends in 8 columns of its last 32-column chunk
+    got = module.bf16_linear_fma(x, pack_row_blocks(weight), 8, 40)
+    assert torch.equal(got[1], torch.zeros(8, dtype=torch.bfloat16))
+    assert got[2].isnan().all() and not got[3].isfinite().any()
+    for row in (0, 4, 5):
+        exact = x[row:row + 1].double() @ weight.double().t()
+        assert got[row].isfinite().all()
+        assert ((got[row].double() - exact).abs() <= _bound(x[row:row + 1], weight, exact)).all()
+
+
+@needs_kernel
+def test_fma_matmul_refuses_what_it_was_not_built_for():
+    weight = _bf16(8, 64, seed=5)
+    packed = pack_row_blocks(weight)
+    assert module.bf16_linear_fma(_bf16(40, 64, seed=7), packed, 8, 64).shape == (40, 8)  # no row limit
+    with pytest.raises(RuntimeError, match="x has 96 columns, the weight 64"):
+        module.bf16_linear_fma(_bf16(1, 96, seed=8), packed, 8, 64)
+    with pytest.raises(RuntimeError, match="out_features"):
+        module.bf16_linear_fma(_bf16(1, 64, seed=8), packed, 3, 64)
+    with pytest.raises(RuntimeError, match="packed"):
+        module.bf16_linear_fma(_bf16(1, 64, seed=8), weight, 8, 64)
+    with pytest.raises(RuntimeError, match="bias"):
+        module.bf16_linear_fma(_bf16(1, 64, seed=8), packed, 8, 64, torch.zeros(8))
+
+
+@needs_kernel
+def test_linear_on_all_steps_keeps_only_the_packed_copy():
+    weight, bias = _bf16(96, 64, seed=9), _bf16(96, seed=10)
+    layer = Linear(weight, bias, bf16_kernel=module, bf16_all_steps=True)
+    assert layer.packed_weight is None and layer.weight is None and layer.bf16_blocks is not None
+    for rows in (1, BF16_KERNEL_MAX_TOKENS, BF16_KERNEL_MAX_TOKENS + 1, 64):
+        x = _bf16(rows, 64, seed=rows)
+        expected = (module.bf16_linear(x, layer.bf16_blocks, 96, 64, bias) if rows <= BF16_KERNEL_MAX_TOKENS
+                    else module.bf16_linear_fma(x, layer.bf16_blocks, 96, 64, bias))
+        assert torch.equal(layer(x), expected)
+    assert layer(torch.zeros(0, 64).bfloat16()).shape == (0, 96)
+    with pytest.raises(ValueError, match="needs the bf16 kernel"):
+        Linear(weight, bf16_all_steps=True)
+
+
+@pytest.mark.parametrize("other", [{"int8_small_batch": True}, {"batch_invariant": True}, {"dtype": "float32"},
+                                   {"device": "cuda"}], ids=["int8", "batch-invariant", "float32", "cuda"])
+def test_config_refuses_the_kernels_with_paths_they_do_not_serve(other):
+    with pytest.raises(ValueError, match="--cpu-bf16-matmul kernels"):
+        Config(cpu_bf16_matmul="kernels", **other)
+    Config(cpu_bf16_matmul="auto", **other)  # auto falls back to oneDNN there instead
+    with pytest.raises(ValueError, match="auto, onednn or kernels"):
+        Config(cpu_bf16_matmul="fma")
+
+
+@needs_kernel
+def test_fma_speedup_probe_reads_a_timing_ratio():
+    speedup = fma_matmul_speedup(module, rows=16, features=256, trials=2)
+    assert 0 < speedup < float("inf")
+
+
+@needs_kernel
+def test_model_runner_modes_pick_the_matmul(tiny_model_dir, monkeypatch):
+    def runner(**kwargs) -> ModelRunner:
+        return ModelRunner(tiny_model_dir, "dummy", torch.device("cpu"), torch.bfloat16, 2, 64, kv_cache_tokens=128,
+                           **kwargs)
+
+    onednn, kernels_ = runner(), runner(cpu_bf16_matmul="kernels")
+    assert onednn.model.lm_head.bf16_fma is None and onednn.model.lm_head.packed_weight is not None
+    assert all(layer["qkv"].bf16_fma is not None and layer["qkv"].packed_weight is None
+               for layer in kernels_.model.layers)
+    # auto follows the probe, both ways.
+    monkeypatch.setattr("model_worker.model_runner.fma_matmul_speedup", lambda kernel: 1.5)
+    assert runner(cpu_bf16_matmul="auto").model.lm_head.bf16_fma is not None
+    monkeypatch.setattr("model_worker.model_runner.fma_matmul_speedup", lambda kernel: 0.3)
+    slower = runner(cpu_bf16_matmul="auto").model.lm_head
+    assert slower.bf16_fma is None and slower.bf16_blocks is None and slower.packed_weight is not None
+    # Kernels off (--no-cpu-decode-kernel): oneDNN whatever the mode.
+    assert runner(cpu_bf16_matmul="kernels", cpu_decode_kernel=False).model.lm_head.bf16_fma is None
+    hidden = _bf16(12, onednn.shape.hidden_size, seed=11)  # > 8 rows: the FMA kernel's steps
+    a, b = kernels_.model.logits(hidden).float(), onednn.model.logits(hidden).float()
+    assert not torch.equal(a, b)
+    assert F.cosine_similarity(a, b).min().item() > 0.9999

@@ -44,8 +44,9 @@ def test_auto_dtype_follows_the_cpu():
     assert resolve_dtype("auto", torch.device("cpu")) == expected
 
 
-@pytest.mark.parametrize("small_steps", [{}, {"int8_small_batch": True}, {"bf16_small_batch": True}],
-                         ids=["bf16", "bf16+int8", "bf16+bf16-kernel"])
+@pytest.mark.parametrize("small_steps", [{}, {"int8_small_batch": True}, {"bf16_small_batch": True},
+                                         {"cpu_bf16_matmul": "kernels"}],
+                         ids=["bf16", "bf16+int8", "bf16+bf16-kernel", "bf16+kernels-all-steps"])
 def test_bf16_answers_like_float32(smollm2_dir, chat_prompts, small_steps):
     tokenizer, prompts = chat_prompts
     cpu = torch.device("cpu")

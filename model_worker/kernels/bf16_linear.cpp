@@ -1,5 +1,8 @@
-// bf16 matmul for steps of a few tokens on CPU (--bf16-small-batch):
+// bf16 matmuls on CPU on weights packed in 4-row blocks:
 //   y [M, N] (bf16) = x [M, K] (bf16) @ w [N, K]^T (+ bias [N]), summed in float32.
+// bf16_linear streams the weights for steps of a few tokens (--bf16-small-batch, and
+// --cpu-bf16-matmul kernels); bf16_linear_fma, further down, takes larger steps on CPUs where
+// VDPBF16PS is slow (--cpu-bf16-matmul kernels).
 //
 // Such steps read every weight once and do little math, so the kernel is about streaming the
 // weights at memory bandwidth. oneDNN's packed bf16 matmul (the model's path for larger steps)
@@ -28,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
     defined(__AVX512BF16__)
@@ -126,6 +130,113 @@ void run(const c10::BFloat16* x, int64_t K, int64_t Kp, const c10::BFloat16* w, 
   });
 }
 
+// ---- Larger steps: float32 FMAs on the same packed bf16 weights -------------------------------
+//
+// Where VDPBF16PS is slow, a step of many rows is bound by the multiply-adds, and float32 FMAs
+// do them faster: on this project's Intel host (Xeon, family 6 model 207) one core issued 0.5
+// VDPBF16PS a cycle (16 multiply-adds) against 2 float32 FMAs (32; scratch loop), and
+// oneDNN's bf16 matmul reached 148 GFLOPS on 2 cores against its float32 matmul's 272. A bf16
+// value is the top half of a float32, so a 32-bit lane holding two of them (k even, k odd)
+// gives both as float32 with one shift and one mask: each 32-column chunk becomes an "even"
+// and an "odd" vector of 16 floats. x is converted once per call the same way, so lane i of
+// both operands pairs the same k; the order of columns within a dot product does not matter.
+//
+// Each block (4 output rows) is converted once into a float32 buffer that stays in L1, then x
+// passes over it 4 rows at a time with 4 x 4 float32 accumulators, so the conversion is shared
+// by every row of x. x goes in chunks of kFmaRowChunk rows so its float32 copy stays in L2.
+
+constexpr int64_t kFmaRowChunk = 128;
+
+// 32 bf16 values -> their float32 values at the even and at the odd columns.
+inline void split_bf16(__m512i v, __m512& even, __m512& odd) {
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// x [M, K] bf16 -> xf [M, Kp/32, 2, 16] float32 (even, odd columns of each chunk; padding 0).
+void split_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, float* xf) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t k = 0; k < Kp; k += kCols) {
+        const __mmask32 columns = k + kCols <= K ? ~__mmask32{0}
+                                  : k < K        ? static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1)
+                                                 : __mmask32{0};
+        __m512 even, odd;
+        split_bf16(_mm512_maskz_loadu_epi16(columns, x + m * K + k), even, odd);
+        _mm512_storeu_ps(xf + m * Kp + k, even);
+        _mm512_storeu_ps(xf + m * Kp + k + 16, odd);
+      }
+    }
+  });
+}
+
+// One block's 4 rows x Kp columns (packed [Kp/32, 4, 32] bf16) -> wf [Kp/32, 4, 2, 16] float32.
+inline void split_block(const c10::BFloat16* wb, int64_t Kp, float* wf) {
+  const char* stream = reinterpret_cast<const char*>(wb);
+  for (int64_t i = 0; i < Kp * kRows; i += kCols) {
+    _mm_prefetch(stream + i * 2 + kPrefetch, _MM_HINT_T0);
+    __m512 even, odd;
+    split_bf16(_mm512_loadu_si512(wb + i), even, odd);
+    _mm512_storeu_ps(wf + i, even);
+    _mm512_storeu_ps(wf + i + 16, odd);
+  }
+}
+
+// Output rows n0 .. n0+3 for M <= 4 rows of split x (row stride Kp) against a split block.
+template <int M>
+void fma_block(const float* xf, int64_t Kp, const float* wf, int64_t n0, int64_t N, const c10::BFloat16* bias,
+               c10::BFloat16* y) {
+  __m512 acc[kRows][M];
+  for (int r = 0; r < kRows; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < Kp; k += kCols) {
+    const float* wk = wf + k * kRows;  // [4 rows][even, odd][16]
+    for (int half = 0; half < 2; ++half) {
+      __m512 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(xf + m * Kp + k + half * 16);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 wv = _mm512_loadu_ps(wk + r * kCols + half * 16);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(xv[m], wv, acc[r][m]);
+      }
+    }
+  }
+  const int valid = static_cast<int>(std::min<int64_t>(kRows, N - n0));
+  float added[kRows] = {};
+  if (bias != nullptr)
+    for (int r = 0; r < valid; ++r) added[r] = static_cast<float>(bias[n0 + r]);
+  for (int m = 0; m < M; ++m) {
+    alignas(16) float sums[kRows];
+    _mm_store_ps(sums, sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+    for (int r = 0; r < valid; ++r) y[m * N + n0 + r] = c10::BFloat16(sums[r] + added[r]);
+  }
+}
+
+void fma_rows(const float* xf, int64_t rows, int64_t Kp, const float* wf, int64_t n0, int64_t N,
+              const c10::BFloat16* bias, c10::BFloat16* y) {
+  int64_t m = 0;
+  for (; m + kGroup <= rows; m += kGroup) fma_block<kGroup>(xf + m * Kp, Kp, wf, n0, N, bias, y + m * N);
+  switch (rows - m) {
+    case 3: fma_block<3>(xf + m * Kp, Kp, wf, n0, N, bias, y + m * N); break;
+    case 2: fma_block<2>(xf + m * Kp, Kp, wf, n0, N, bias, y + m * N); break;
+    case 1: fma_block<1>(xf + m * Kp, Kp, wf, n0, N, bias, y + m * N); break;
+    default: break;
+  }
+}
+
+void run_fma(const float* xf, int64_t M, int64_t Kp, const c10::BFloat16* w, int64_t num_blocks, int64_t N,
+             const c10::BFloat16* bias, c10::BFloat16* y) {
+  at::parallel_for(0, num_blocks, 8, [&](int64_t b0, int64_t b1) {
+    std::vector<float> wf(static_cast<size_t>(kRows * Kp));
+    for (int64_t m0 = 0; m0 < M; m0 += kFmaRowChunk) {
+      const int64_t rows = std::min(kFmaRowChunk, M - m0);
+      for (int64_t b = b0; b < b1; ++b) {
+        split_block(w + b * kRows * Kp, Kp, wf.data());
+        fma_rows(xf + m0 * Kp, rows, Kp, wf.data(), b * kRows, N, bias, y + m0 * N);
+      }
+    }
+  });
+}
+
 template <int M>
 void dispatch(int64_t rows, const c10::BFloat16* x, int64_t K, int64_t Kp, const c10::BFloat16* w,
               int64_t num_blocks, int64_t N, const c10::BFloat16* bias, c10::BFloat16* y) {
@@ -136,17 +247,16 @@ void dispatch(int64_t rows, const c10::BFloat16* x, int64_t K, int64_t Kp, const
 }
 #endif
 
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t in_features,
-                          c10::optional<torch::Tensor> bias) {
+// The checks both entry points share; returns Kp.
+int64_t check_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t in_features,
+                   const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(vectorized(), "built without AVX512-BF16");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x must be bfloat16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kRows &&
                   packed.size(3) == kCols && packed.is_contiguous(),
               "packed must be contiguous bfloat16 [ceil(N/4), Kp/32, 4, 32]");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  const int64_t num_blocks = packed.size(0), Kp = packed.size(1) * kCols;
-  TORCH_CHECK(M <= kMaxTokens, "at most ", kMaxTokens, " rows, got ", M);
+  const int64_t K = x.size(1), num_blocks = packed.size(0), Kp = packed.size(1) * kCols;
   TORCH_CHECK(K == in_features, "x has ", K, " columns, the weight ", in_features);
   TORCH_CHECK(Kp >= K && Kp - K < kCols, "in_features is ", K, ", the packed weight has ", Kp, " columns");
   TORCH_CHECK(N >= 0 && num_blocks == (N + kRows - 1) / kRows, "out_features is ", N, ", the packed weight has ",
@@ -155,12 +265,36 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_fea
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 &&
                     bias->size(0) == N && bias->is_contiguous(),
                 "bias must be contiguous bfloat16 [out_features]");
+  return Kp;
+}
+
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t in_features,
+                          c10::optional<torch::Tensor> bias) {
+  const int64_t Kp = check_args(x, packed, out_features, in_features, bias);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, num_blocks = packed.size(0);
+  TORCH_CHECK(M <= kMaxTokens, "at most ", kMaxTokens, " rows, got ", M);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const auto xc = x.contiguous();
 #ifdef TOKENWIRE_BF16_LINEAR
   dispatch<kMaxTokens>(M, xc.data_ptr<c10::BFloat16>(), K, Kp, packed.data_ptr<c10::BFloat16>(), num_blocks, N,
                        bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>());
+#endif
+  return y;
+}
+
+torch::Tensor bf16_linear_fma(torch::Tensor x, torch::Tensor packed, int64_t out_features, int64_t in_features,
+                              c10::optional<torch::Tensor> bias) {
+  const int64_t Kp = check_args(x, packed, out_features, in_features, bias);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, num_blocks = packed.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const auto xc = x.contiguous();
+#ifdef TOKENWIRE_BF16_LINEAR
+  auto xf = torch::empty({M, Kp}, x.options().dtype(at::kFloat));
+  split_rows(xc.data_ptr<c10::BFloat16>(), M, K, Kp, xf.data_ptr<float>());
+  run_fma(xf.data_ptr<float>(), M, Kp, packed.data_ptr<c10::BFloat16>(), num_blocks, N,
+          bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>());
 #endif
   return y;
 }
@@ -173,6 +307,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // framing and sending while a step runs.
   m.def("bf16_linear", &bf16_linear,
         "y [M, N] bf16 = x [M, K] bf16 @ w^T (+ bias), w packed as [ceil(N/4), Kp/32, 4, 32] bf16, M <= 16",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("in_features"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("bf16_linear_fma", &bf16_linear_fma,
+        "the same product for any M, in float32 FMAs (for CPUs where VDPBF16PS is slower than FMAs)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("in_features"),
         pybind11::arg("bias") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -19,10 +19,21 @@ Without int8's rounding, --bf16-small-batch keeps a second bf16 copy packed the 
 model_worker/kernels/bf16_linear.cpp (AVX512-BF16): it streams the weights near copy bandwidth where
 oneDNN's packed matmul reaches about 0.7 of it at 1-4 rows (scratch timing; decode steps 1.3-1.5x
 faster, bench/bench_bf16_linear.py), at the cost of the bf16 weights' memory again.
+
+On some CPUs oneDNN's bf16 GEMM is the slow part of every larger step: on this project's Intel
+host a core issued 0.5 VDPBF16PS a cycle (16 multiply-adds) against 2 float32 FMAs (32), and
+oneDNN's bf16 matmul ran at 0.55x its float32 one. There
+(--cpu-bf16-matmul kernels, or auto when fma_matmul_speedup measures it) the packed bf16 copy
+is the only one: steps of at most 8 tokens stream it as above, larger ones go to
+bf16_linear_fma, which converts each 4-row block to float32 once and multiplies in float32 FMAs
+(whole SmolLM2 decode steps 1.15-1.20x faster at 16-64 streams there, bench/bench_fma_linear.py).
+Where VDPBF16PS runs at full rate (this project's AMD host: bf16 GEMMs 3.4-6x float32's) oneDNN
+stays.
 """
 
 from __future__ import annotations
 
+import time
 from types import ModuleType
 
 import torch
@@ -36,6 +47,12 @@ INT8_KERNEL_MAX_TOKENS = 8
 # Steps of at most this many tokens use the bf16 copy (kernels/bf16_linear.cpp): over SmolLM2's
 # layer weights it was 1.07-1.15x oneDNN's GEMM at 8 rows and slower from 12 (scratch timing).
 BF16_KERNEL_MAX_TOKENS = 8
+# --cpu-bf16-matmul auto takes the kernels where fma_matmul_speedup is at least this. At parity
+# they still win overall, since steps of <= 8 tokens then stream the packed copy (1.3-1.6x) at no
+# extra memory. On the Intel host whole SmolLM2 decode steps ran 1.15-1.20x faster on them at
+# 16-64 streams; on the AMD host oneDNN's bf16 GEMMs ran 3.4-6x float32's, far below parity. It
+# is a timing on a shared machine: --cpu-bf16-matmul kernels or onednn pins the choice.
+FMA_MATMUL_MIN_SPEEDUP = 1.0
 # kernels/int8_linear.cpp's and bf16_linear.cpp's packed layout: blocks of this many output rows by
 # this many columns.
 PACK_BLOCK_ROWS, PACK_BLOCK_COLS = 4, 32
@@ -88,12 +105,16 @@ class Linear:
     """y [T, N] = x [T, K] @ weight [N, K]^T (+ bias); `weight` is None when only the packed copy is kept."""
 
     __slots__ = ("weight", "packed_weight", "bias", "int8_weight", "int8_scales", "int8_matmul", "int8_max_tokens",
-                 "bf16_blocks", "bf16_matmul", "bf16_max_tokens", "out_features", "in_features", "row_tile")
+                 "bf16_blocks", "bf16_matmul", "bf16_max_tokens", "bf16_fma", "out_features", "in_features",
+                 "row_tile")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_small_batch: bool = False,
-                 row_tile: int = 0, int8_kernel: ModuleType | None = None, bf16_kernel: ModuleType | None = None):
+                 row_tile: int = 0, int8_kernel: ModuleType | None = None, bf16_kernel: ModuleType | None = None,
+                 bf16_all_steps: bool = False):
         """int8_kernel: kernels.int8_linear_module(), or None for torch's int8 op. bf16_kernel:
-        kernels.bf16_linear_module() to keep the packed bf16 copy for small steps, or None."""
+        kernels.bf16_linear_module() to keep the packed bf16 copy for small steps, or None.
+        bf16_all_steps (with bf16_kernel): larger steps use its float32-FMA matmul on that copy
+        too, and no oneDNN copy is kept."""
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.bias = bias
@@ -112,8 +133,10 @@ class Linear:
                 self.int8_matmul, self.int8_max_tokens = int8_kernel.int8_linear, INT8_KERNEL_MAX_TOKENS
             else:
                 self.int8_matmul, self.int8_max_tokens = torch.ops.aten._weight_int8pack_mm, INT8_MAX_TOKENS
-        self.bf16_blocks = self.bf16_matmul = None
+        self.bf16_blocks = self.bf16_matmul = self.bf16_fma = None
         self.bf16_max_tokens = 0
+        if bf16_all_steps and bf16_kernel is None:
+            raise ValueError("bf16_all_steps needs the bf16 kernel module")
         if bf16_kernel is not None:
             if int8_small_batch or row_tile:
                 raise ValueError("bf16 small-batch weights are neither for int8 small-batch nor batch-invariant layers")
@@ -121,9 +144,11 @@ class Linear:
                 raise ValueError("bf16 small-batch weights need bfloat16 weights on the CPU")
             self.bf16_blocks = pack_row_blocks(weight)
             self.bf16_matmul, self.bf16_max_tokens = bf16_kernel.bf16_linear, BF16_KERNEL_MAX_TOKENS
+            if bf16_all_steps:
+                self.bf16_fma = bf16_kernel.bf16_linear_fma
         # Batch-invariant mode keeps the plain GEMMs it was validated with.
-        self.packed_weight = None if row_tile else pack_for_onednn(weight)
-        if self.packed_weight is not None:
+        self.packed_weight = None if row_tile or self.bf16_fma is not None else pack_for_onednn(weight)
+        if self.packed_weight is not None or self.bf16_fma is not None:
             # The packed copy is the only one needed: keeping both would double the weights'
             # memory (a tied lm_head's plain weight lives on as the embedding table).
             self.weight = None
@@ -136,6 +161,8 @@ class Linear:
             return y if self.bias is None else y + self.bias
         if 0 < x.shape[0] <= self.bf16_max_tokens:
             return self.bf16_matmul(x, self.bf16_blocks, self.out_features, self.in_features, self.bias)
+        if self.bf16_fma is not None:
+            return self.bf16_fma(x, self.bf16_blocks, self.out_features, self.in_features, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -156,3 +183,30 @@ class Linear:
         x = F.pad(x, (0, 0, 0, padded - num_tokens)) if padded != num_tokens else x.contiguous()  # [T', K]
         tiles = [F.linear(x[start:start + tile], self.weight, self.bias) for start in range(0, padded, tile)]
         return torch.cat(tiles)[:num_tokens]  # [T, N]
+
+
+def fma_matmul_speedup(bf16_kernel: ModuleType, rows: int = 256, features: int = 1024, trials: int = 9) -> float:
+    """oneDNN's packed bf16 matmul time over bf16_linear_fma's on one [rows, features] x
+    [features, features] product: the best of `trials` runs each, alternating, so both see the
+    same machine load (~60 ms in all). > 1: the FMA kernel is faster on this CPU. 256 rows, where
+    the two differ most on the Intel host (1.12-1.37x over 5 idle probes; 64 rows read 1.01-1.27,
+    and 0.94 once while the rest of the stack started beside it)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(features, features, generator=generator) * 0.03).to(torch.bfloat16)
+    x = torch.randn(rows, features, generator=generator).to(torch.bfloat16)
+    packed = pack_for_onednn(weight)
+    if packed is None:
+        return float("inf")  # no oneDNN here: F.linear on bf16 would be slower still
+    blocks = pack_row_blocks(weight)
+    runs = {
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        "fma": lambda: bf16_kernel.bf16_linear_fma(x, blocks, features, features, None),
+    }
+    best = dict.fromkeys(runs, float("inf"))
+    for trial in range(trials + 1):  # round 0 warms both up and is not counted
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if trial:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best["onednn"] / best["fma"]
