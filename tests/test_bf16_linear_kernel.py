@@ -192,6 +192,12 @@ def test_gpt2_layers_with_their_biases_run_on_the_kernel(tmp_path, tiny_model_di
     x = _bf16(2, with_kernel.model.shape.hidden_size, seed=12)
     got, expected = layer(x).float(), plain(x).float()
     assert ((got - expected).abs() <= expected.abs() / 64 + 2 ** -6).all()
+    # --cpu-bf16-matmul kernels: larger steps on the FMA matmul, biases and the lm_head included.
+    all_steps = runner(cpu_bf16_matmul="kernels").model
+    assert all_steps.layers[0]["qkv"].bf16_fma is not None and all_steps.lm_head.bf16_fma is not None
+    x = _bf16(12, with_kernel.model.shape.hidden_size, seed=13)
+    got, expected = all_steps.layers[0]["qkv"](x).float(), plain(x).float()
+    assert ((got - expected).abs() <= expected.abs() / 64 + 2 ** -6).all()
 
 
 # ---- bf16_linear_fma: larger steps in float32 FMAs (--cpu-bf16-matmul kernels) ----------------
