@@ -71,6 +71,22 @@ inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
+// A block's 4 x M accumulators -> y's rows 0..M-1, columns n0 .. n0+3 (those below N): each
+// summed, plus the bias in float32, then rounded to bf16 once.
+template <int M>
+inline void store_block(const __m512 (&acc)[kRows][M], int64_t n0, int64_t N, const c10::BFloat16* bias,
+                        c10::BFloat16* y) {
+  const int valid = static_cast<int>(std::min<int64_t>(kRows, N - n0));
+  float added[kRows] = {};
+  if (bias != nullptr)
+    for (int r = 0; r < valid; ++r) added[r] = static_cast<float>(bias[n0 + r]);
+  for (int m = 0; m < M; ++m) {
+    alignas(16) float sums[kRows];
+    _mm_store_ps(sums, sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+    for (int r = 0; r < valid; ++r) y[m * N + n0 + r] = c10::BFloat16(sums[r] + added[r]);
+  }
+}
+
 // One packed block (output rows n0 .. n0+3) against M <= 4 rows of x (row stride K); bias:
 // [N] or null.
 template <int M>
@@ -97,15 +113,7 @@ void block(const c10::BFloat16* x, int64_t K, int64_t Kp, const c10::BFloat16* w
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], xv[m], wv);
     }
   }
-  const int valid = static_cast<int>(std::min<int64_t>(kRows, N - n0));
-  float added[kRows] = {};
-  if (bias != nullptr)
-    for (int r = 0; r < valid; ++r) added[r] = static_cast<float>(bias[n0 + r]);
-  for (int m = 0; m < M; ++m) {
-    alignas(16) float sums[kRows];
-    _mm_store_ps(sums, sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
-    for (int r = 0; r < valid; ++r) y[m * N + n0 + r] = c10::BFloat16(sums[r] + added[r]);
-  }
+  store_block<M>(acc, n0, N, bias, y);
 }
 
 // Rows of x in passes of at most 4 (more accumulators than registers otherwise); a block's later
@@ -200,15 +208,7 @@ void fma_block(const float* xf, int64_t Kp, const float* wf, int64_t n0, int64_t
       }
     }
   }
-  const int valid = static_cast<int>(std::min<int64_t>(kRows, N - n0));
-  float added[kRows] = {};
-  if (bias != nullptr)
-    for (int r = 0; r < valid; ++r) added[r] = static_cast<float>(bias[n0 + r]);
-  for (int m = 0; m < M; ++m) {
-    alignas(16) float sums[kRows];
-    _mm_store_ps(sums, sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
-    for (int r = 0; r < valid; ++r) y[m * N + n0 + r] = c10::BFloat16(sums[r] + added[r]);
-  }
+  store_block<M>(acc, n0, N, bias, y);
 }
 
 void fma_rows(const float* xf, int64_t rows, int64_t Kp, const float* wf, int64_t n0, int64_t N,
