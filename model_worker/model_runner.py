@@ -199,11 +199,8 @@ class ModelRunner:
             weights = (dummy_weights(s, device=device if on_gpu else None, dtype=dtype if on_gpu else torch.float32)
                        if load_format == "dummy" else load_weights(model_dir))
             int8_kernel = int8_linear_module(kernel_build_root) if cpu_kernels and int8_small_batch else None
-            bf16_kernel, bf16_all_steps = self._bf16_matmul(
-                bf16_linear_module(kernel_build_root)
-                if bf16_cpu_kernels and not int8_small_batch and (bf16_small_batch or cpu_bf16_matmul != "onednn")
-                else None,
-                bf16_small_batch, cpu_bf16_matmul)
+            bf16_kernel, bf16_all_steps = self._bf16_matmul(bf16_cpu_kernels and not int8_small_batch,
+                                                            kernel_build_root, bf16_small_batch, cpu_bf16_matmul)
             if isinstance(s, GPT2Shape):
                 self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel, bf16_kernel,
                                        bf16_all_steps)
@@ -248,25 +245,27 @@ class ModelRunner:
             self.decode_graphs = self._captured_decode_graphs(max_num_seqs, max_model_len)
 
     @staticmethod
-    def _bf16_matmul(kernel: ModuleType | None, bf16_small_batch: bool,
+    def _bf16_matmul(kernels_apply: bool, kernel_build_root: Path, bf16_small_batch: bool,
                      cpu_bf16_matmul: str) -> tuple[ModuleType | None, bool]:
-        """(bf16 kernel module or None, whether it takes every step) for Linear, from
-        --bf16-small-batch and --cpu-bf16-matmul; kernel: bf16_linear_module() where the model's
-        weights are bf16 on the CPU with the C++ kernels on, else None."""
-        all_steps = False
-        if kernel is not None and cpu_bf16_matmul == "kernels":
-            all_steps = True
-        elif kernel is not None and cpu_bf16_matmul == "auto":
+        """(bf16_linear_module() or None, whether it takes every step) for Linear, from
+        --bf16-small-batch and --cpu-bf16-matmul; kernels_apply: bf16 weights on the CPU with the
+        C++ kernels on (and no int8 copy). The module is built only where a flag may use it."""
+        if not bf16_small_batch and cpu_bf16_matmul == "onednn":
+            return None, False
+        kernel = bf16_linear_module(kernel_build_root) if kernels_apply else None
+        if kernel is None:
+            asked = [flag for flag, on in (("--bf16-small-batch", bf16_small_batch),
+                                           ("--cpu-bf16-matmul kernels", cpu_bf16_matmul == "kernels")) if on]
+            if asked:
+                logger.warning("%s: no bf16 matmul kernel here (needs bfloat16 weights on the CPU, AVX512-BF16, a C++ "
+                               "compiler and --cpu-decode-kernel); every step uses oneDNN", " and ".join(asked))
+            return None, False
+        all_steps = cpu_bf16_matmul == "kernels"
+        if cpu_bf16_matmul == "auto":
             speedup = fma_matmul_speedup(kernel)
             all_steps = speedup >= FMA_MATMUL_MIN_SPEEDUP
             logger.info("--cpu-bf16-matmul auto: the float32-FMA kernel ran a 256-row bf16 product %.2fx as fast as "
                         "oneDNN's; using %s", speedup, "the kernels" if all_steps else "oneDNN")
-        elif cpu_bf16_matmul == "kernels":
-            logger.warning("--cpu-bf16-matmul kernels: no bf16 matmul kernel here (needs bfloat16 weights on the CPU, "
-                           "AVX512-BF16, a C++ compiler and --cpu-decode-kernel); every step uses oneDNN")
-        if bf16_small_batch and kernel is None:
-            logger.warning("--bf16-small-batch: no bf16 matmul kernel here (needs bfloat16 weights on the CPU, "
-                           "AVX512-BF16, a C++ compiler and --cpu-decode-kernel); every step uses oneDNN")
         return (kernel if all_steps or bf16_small_batch else None), all_steps
 
     def _largest_decode_bucket_bytes(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:

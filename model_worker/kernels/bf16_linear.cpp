@@ -163,12 +163,12 @@ inline void split_bf16(__m512i v, __m512& even, __m512& odd) {
 
 // x [M, K] bf16 -> xf [M, Kp/32, 2, 16] float32 (even, odd columns of each chunk; padding 0).
 void split_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, float* xf) {
+  const int64_t full = K / kCols * kCols;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       for (int64_t k = 0; k < Kp; k += kCols) {
-        const __mmask32 columns = k + kCols <= K ? ~__mmask32{0}
-                                  : k < K        ? static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1)
-                                                 : __mmask32{0};
+        // Kp - K < 32: only the last chunk is partial, and it holds at least one column.
+        const __mmask32 columns = k < full ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << (K - k)) - 1);
         __m512 even, odd;
         split_bf16(_mm512_maskz_loadu_epi16(columns, x + m * K + k), even, odd);
         _mm512_storeu_ps(xf + m * Kp + k, even);
