@@ -63,10 +63,11 @@ class Config(WorkerServerOptions):
                 "--cpu-bf16-matmul kernels, where the packed copy is the only one)"})
     cpu_bf16_matmul: str = field(default="auto", metadata={
         "help": "CPU + bfloat16: the matmul of steps larger than --bf16-small-batch's. onednn: oneDNN's packed bf16 "
-                "GEMM (VDPBF16PS). kernels: the weights packed once for model_worker/kernels/bf16_linear.cpp, "
-                "steps of <= 8 tokens streamed as with --bf16-small-batch and larger ones in float32 FMAs, for CPUs "
-                "where VDPBF16PS is slow (no extra weight memory). auto: kernels where a ~60 ms product at startup "
-                "runs at least as fast on them as on oneDNN, else onednn"})
+                "GEMM. kernels: the weights packed once for model_worker/kernels/bf16_linear.cpp, steps of <= 8 "
+                "tokens streamed as with --bf16-small-batch, larger ones on whichever of its two matmuls (VDPBF16PS, "
+                "or float32 FMAs for CPUs where VDPBF16PS is slow) a ~0.1 s product at startup runs faster; no extra "
+                "weight memory. auto: kernels where that product runs at least as fast on them as on oneDNN, else "
+                "onednn"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "bitwise-identical tokens and logprobs for a request whatever else is batched with it "
                 "(fixed-shape GEMMs, attention one query at a time); trades speed for it, Llama family only"})

@@ -35,7 +35,7 @@ from model_worker.kv_cache import PagedKVCache, kv_bytes_per_token, num_kv_block
 from model_worker.models import gpt2
 from model_worker.models.gpt2 import GPT2Model, GPT2Shape
 from model_worker.models.hf_fallback import CacheBudget, HFCausalLM, HFShape
-from model_worker.models.linear import FMA_MATMUL_MIN_SPEEDUP, fma_matmul_speedup
+from model_worker.models.linear import KERNEL_MATMUL_MIN_SPEEDUP, LARGE_STEP_KERNELS, kernel_matmul_times
 from model_worker.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from model_worker.models.llama import LlamaModel, LlamaShape
 from model_worker.scheduler import ScheduledChunk, SchedulerOutput
@@ -199,15 +199,15 @@ class ModelRunner:
             weights = (dummy_weights(s, device=device if on_gpu else None, dtype=dtype if on_gpu else torch.float32)
                        if load_format == "dummy" else load_weights(model_dir))
             int8_kernel = int8_linear_module(kernel_build_root) if cpu_kernels and int8_small_batch else None
-            bf16_kernel, bf16_all_steps = self._bf16_matmul(bf16_cpu_kernels and not int8_small_batch,
-                                                            kernel_build_root, bf16_small_batch, cpu_bf16_matmul)
+            bf16_kernel, bf16_large_steps = self._bf16_matmul(bf16_cpu_kernels and not int8_small_batch,
+                                                              kernel_build_root, bf16_small_batch, cpu_bf16_matmul)
             if isinstance(s, GPT2Shape):
                 self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel, bf16_kernel,
-                                       bf16_all_steps)
+                                       bf16_large_steps)
             else:
                 llama_ops = llama_ops_module(kernel_build_root) if bf16_cpu_kernels else None
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel,
-                                        llama_ops, bf16_kernel, bf16_all_steps)
+                                        llama_ops, bf16_kernel, bf16_large_steps)
         # The sampler's greedy argmax on the CPU (any dtype: it reads the float32 logits).
         sampling_ops = sampling_ops_module(kernel_build_root) if cpu_kernels else None
         self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = (
@@ -246,12 +246,12 @@ class ModelRunner:
 
     @staticmethod
     def _bf16_matmul(kernels_apply: bool, kernel_build_root: Path, bf16_small_batch: bool,
-                     cpu_bf16_matmul: str) -> tuple[ModuleType | None, bool]:
-        """(bf16_linear_module() or None, whether it takes every step) for Linear, from
-        --bf16-small-batch and --cpu-bf16-matmul; kernels_apply: bf16 weights on the CPU with the
-        C++ kernels on (and no int8 copy). The module is built only where a flag may use it."""
+                     cpu_bf16_matmul: str) -> tuple[ModuleType | None, str]:
+        """(bf16_linear_module() or None, Linear's bf16_large_steps) from --bf16-small-batch and
+        --cpu-bf16-matmul; kernels_apply: bf16 weights on the CPU with the C++ kernels on (and no
+        int8 copy). The module is built only where a flag may use it."""
         if not bf16_small_batch and cpu_bf16_matmul == "onednn":
-            return None, False
+            return None, "onednn"
         kernel = bf16_linear_module(kernel_build_root) if kernels_apply else None
         if kernel is None:
             asked = [flag for flag, on in (("--bf16-small-batch", bf16_small_batch),
@@ -259,14 +259,19 @@ class ModelRunner:
             if asked:
                 logger.warning("%s: no bf16 matmul kernel here (needs bfloat16 weights on the CPU, AVX512-BF16, a C++ "
                                "compiler and --cpu-decode-kernel); every step uses oneDNN", " and ".join(asked))
-            return None, False
-        all_steps = cpu_bf16_matmul == "kernels"
-        if cpu_bf16_matmul == "auto":
-            speedup = fma_matmul_speedup(kernel)
-            all_steps = speedup >= FMA_MATMUL_MIN_SPEEDUP
-            logger.info("--cpu-bf16-matmul auto: the float32-FMA kernel ran a 256-row bf16 product %.2fx as fast as "
-                        "oneDNN's; using %s", speedup, "the kernels" if all_steps else "oneDNN")
-        return (kernel if all_steps or bf16_small_batch else None), all_steps
+            return None, "onednn"
+        large_steps = "onednn"
+        if cpu_bf16_matmul != "onednn":
+            times = kernel_matmul_times(kernel)
+            fastest = min(LARGE_STEP_KERNELS, key=times.__getitem__)
+            speedup = times["onednn"] / times[fastest]
+            use_kernels = cpu_bf16_matmul == "kernels" or speedup >= KERNEL_MATMUL_MIN_SPEEDUP
+            logger.info("--cpu-bf16-matmul %s: a 256-row bf16 product ran in %s; %s", cpu_bf16_matmul,
+                        ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in times.items()),
+                        f"using the kernels, {fastest} for steps over 8 tokens" if use_kernels else "using oneDNN")
+            if use_kernels:
+                large_steps = fastest
+        return (kernel if large_steps != "onednn" or bf16_small_batch else None), large_steps
 
     def _largest_decode_bucket_bytes(self, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
         """Device memory the graphs will hold (CUDA): the largest decode bucket's forward, run on a

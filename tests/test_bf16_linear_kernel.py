@@ -1,4 +1,5 @@
-"""The compiled bf16 matmul for small CPU steps (model_worker/kernels/bf16_linear.cpp, --bf16-small-batch).
+"""The compiled bf16 matmuls on weights packed in 4-row blocks (model_worker/kernels/bf16_linear.cpp:
+--bf16-small-batch, --cpu-bf16-matmul kernels).
 
 Skipped where it cannot be used: a CPU without AVX512-BF16 or no C++ compiler; the model then keeps
 oneDNN's matmul for every step. Where both are there, a kernel that fails to build fails these
@@ -17,13 +18,21 @@ import torch.nn.functional as F
 from model_worker import kernels
 from model_worker.config import Config
 from model_worker.model_runner import ModelRunner
-from model_worker.models.linear import BF16_KERNEL_MAX_TOKENS, Linear, fma_matmul_speedup, pack_row_blocks
+from model_worker.models.linear import (
+    BF16_KERNEL_MAX_TOKENS,
+    LARGE_STEP_KERNELS,
+    Linear,
+    kernel_matmul_times,
+    pack_row_blocks,
+)
 
 CAN_BUILD = ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= kernels.cpu_flags()
              and shutil.which(os.environ.get("CXX", "c++")) is not None)
 module = kernels.bf16_linear_module()
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no AVX512-BF16 CPU or no C++ compiler here")
-KERNEL_MAX_ROWS = 16  # what bf16_linear.cpp takes; Linear sends it at most BF16_KERNEL_MAX_TOKENS
+# Rows across the 4-row groups' tails, a group's full count, the switch from streaming block by block
+# to panels (over 16), and the 128-row chunks of x.
+ROWS = [0, 1, 2, 3, 4, 5, 7, 9, 16, 17, 33, 127, 128, 129, 300]
 
 
 def test_the_kernel_builds_where_it_can():
@@ -42,9 +51,11 @@ def _bound(x: torch.Tensor, weight: torch.Tensor, exact: torch.Tensor) -> torch.
 
 
 @needs_kernel
-@pytest.mark.parametrize("n,k", [(576, 576), (960, 576), (576, 1536), (6, 40), (33, 100), (5, 8)],
-                         ids=["square", "qkv", "down", "padded-both", "odd", "under-one-column-block"])
-@pytest.mark.parametrize("m", list(range(0, KERNEL_MAX_ROWS + 1)))
+# Output tiles are 8 blocks (32 columns): 70 and 1000 end in partial ones.
+@pytest.mark.parametrize("n,k", [(576, 576), (960, 576), (576, 1536), (6, 40), (33, 100), (5, 8), (70, 96), (1000, 64)],
+                         ids=["square", "qkv", "down", "padded-both", "odd", "under-one-column-block", "partial-tile",
+                              "many-tiles"])
+@pytest.mark.parametrize("m", ROWS)
 def test_matches_the_float64_matmul(n, k, m):
     weight, x, bias = _bf16(n, k, seed=n * 7 + k), _bf16(m, k, seed=m), _bf16(n, seed=n)
     packed = pack_row_blocks(weight)
@@ -103,8 +114,7 @@ def test_refuses_what_it_was_not_built_for():
     weight = _bf16(8, 64, seed=5)
     packed = pack_row_blocks(weight)
     x = _bf16(1, 64, seed=6)
-    with pytest.raises(RuntimeError, match="at most 16 rows"):
-        module.bf16_linear(_bf16(17, 64, seed=7), packed, 8, 64)
+    assert module.bf16_linear(_bf16(40, 64, seed=7), packed, 8, 64).shape == (40, 8)  # no row limit
     with pytest.raises(RuntimeError, match="x has 96 columns, the weight 64"):
         module.bf16_linear(_bf16(1, 96, seed=8), packed, 8, 64)
     with pytest.raises(RuntimeError, match="x has 50 columns, the weight 64"):
@@ -192,9 +202,9 @@ def test_gpt2_layers_with_their_biases_run_on_the_kernel(tmp_path, tiny_model_di
     x = _bf16(2, with_kernel.model.shape.hidden_size, seed=12)
     got, expected = layer(x).float(), plain(x).float()
     assert ((got - expected).abs() <= expected.abs() / 64 + 2 ** -6).all()
-    # --cpu-bf16-matmul kernels: larger steps on the FMA matmul, biases and the lm_head included.
+    # --cpu-bf16-matmul kernels: larger steps on a kernel too, biases and the lm_head included.
     all_steps = runner(cpu_bf16_matmul="kernels").model
-    assert all_steps.layers[0]["qkv"].bf16_fma is not None and all_steps.lm_head.bf16_fma is not None
+    assert all_steps.layers[0]["qkv"].bf16_large is not None and all_steps.lm_head.bf16_large is not None
     x = _bf16(12, with_kernel.model.shape.hidden_size, seed=13)
     got, expected = all_steps.layers[0]["qkv"](x).float(), plain(x).float()
     assert ((got - expected).abs() <= expected.abs() / 64 + 2 ** -6).all()
@@ -202,14 +212,11 @@ def test_gpt2_layers_with_their_biases_run_on_the_kernel(tmp_path, tiny_model_di
 
 # ---- bf16_linear_fma: larger steps in float32 FMAs (--cpu-bf16-matmul kernels) ----------------
 
-# Rows across the 4-row groups' tails, a group's full count, and the kernel's 128-row chunks of x.
-FMA_ROWS = [0, 1, 2, 3, 4, 5, 7, 9, 16, 33, 127, 128, 129, 300]
-
 
 @needs_kernel
-@pytest.mark.parametrize("n,k", [(576, 576), (576, 1536), (6, 40), (33, 100), (5, 8)],
-                         ids=["square", "down", "padded-both", "odd", "under-one-column-block"])
-@pytest.mark.parametrize("m", FMA_ROWS)
+@pytest.mark.parametrize("n,k", [(576, 576), (576, 1536), (6, 40), (33, 100), (5, 8), (70, 96)],
+                         ids=["square", "down", "padded-both", "odd", "under-one-column-block", "partial-tile"])
+@pytest.mark.parametrize("m", ROWS)
 def test_fma_matmul_matches_the_float64_matmul(n, k, m):
     weight, x, bias = _bf16(n, k, seed=n * 7 + k), _bf16(m, k, seed=m), _bf16(n, seed=n)
     packed = pack_row_blocks(weight)
@@ -222,9 +229,8 @@ def test_fma_matmul_matches_the_float64_matmul(n, k, m):
     with_bias = module.bf16_linear_fma(x, packed, n, k, bias).double()
     exact_with_bias = exact + bias.double()
     assert ((with_bias - exact_with_bias).abs() <= _bound(x, weight, exact_with_bias)).all()
-    if m <= KERNEL_MAX_ROWS:  # the same products and sums as VDPBF16PS, in another order
-        streamed = module.bf16_linear(x, packed, n, k).double()
-        assert (got.double() - streamed).abs().max() <= 2 * exact.abs().max() / 256
+    # The same products and sums as VDPBF16PS, in another order.
+    assert (got.double() - module.bf16_linear(x, packed, n, k).double()).abs().max() <= 2 * exact.abs().max() / 256
 
 
 @needs_kernel
@@ -259,18 +265,22 @@ def test_fma_matmul_refuses_what_it_was_not_built_for():
 
 
 @needs_kernel
-def test_linear_on_all_steps_keeps_only_the_packed_copy():
+@pytest.mark.parametrize("large_steps", sorted(LARGE_STEP_KERNELS))
+def test_linear_on_all_steps_keeps_only_the_packed_copy(large_steps):
     weight, bias = _bf16(96, 64, seed=9), _bf16(96, seed=10)
-    layer = Linear(weight, bias, bf16_kernel=module, bf16_all_steps=True)
+    layer = Linear(weight, bias, bf16_kernel=module, bf16_large_steps=large_steps)
     assert layer.packed_weight is None and layer.weight is None and layer.bf16_blocks is not None
+    larger = getattr(module, LARGE_STEP_KERNELS[large_steps])
     for rows in (1, BF16_KERNEL_MAX_TOKENS, BF16_KERNEL_MAX_TOKENS + 1, 64):
         x = _bf16(rows, 64, seed=rows)
         expected = (module.bf16_linear(x, layer.bf16_blocks, 96, 64, bias) if rows <= BF16_KERNEL_MAX_TOKENS
-                    else module.bf16_linear_fma(x, layer.bf16_blocks, 96, 64, bias))
+                    else larger(x, layer.bf16_blocks, 96, 64, bias))
         assert torch.equal(layer(x), expected)
     assert layer(torch.zeros(0, 64).bfloat16()).shape == (0, 96)
-    with pytest.raises(ValueError, match="needs the bf16 kernel"):
-        Linear(weight, bf16_all_steps=True)
+    with pytest.raises(ValueError, match="with the bf16 kernel module"):
+        Linear(weight, bf16_large_steps=large_steps)
+    with pytest.raises(ValueError, match="bf16_large_steps 'amx'"):
+        Linear(weight, bf16_kernel=module, bf16_large_steps="amx")
 
 
 @pytest.mark.parametrize("other", [{"int8_small_batch": True}, {"batch_invariant": True}, {"dtype": "float32"},
@@ -284,9 +294,10 @@ def test_config_refuses_the_kernels_with_paths_they_do_not_serve(other):
 
 
 @needs_kernel
-def test_fma_speedup_probe_reads_a_timing_ratio():
-    speedup = fma_matmul_speedup(module, rows=16, features=256, trials=2)
-    assert 0 < speedup < float("inf")
+def test_the_probe_times_onednn_and_each_kernel():
+    times = kernel_matmul_times(module, rows=16, features=256, trials=2)
+    assert set(times) == {"onednn", *LARGE_STEP_KERNELS}
+    assert all(0 < seconds < float("inf") for seconds in times.values())
 
 
 @needs_kernel
@@ -295,19 +306,24 @@ def test_model_runner_modes_pick_the_matmul(tiny_model_dir, monkeypatch):
         return ModelRunner(tiny_model_dir, "dummy", torch.device("cpu"), torch.bfloat16, 2, 64, kv_cache_tokens=128,
                            **kwargs)
 
+    def probe(**seconds: float) -> None:
+        monkeypatch.setattr("model_worker.model_runner.kernel_matmul_times", lambda kernel: seconds)
+
+    # kernels takes the faster of the two for larger steps, whatever oneDNN's time.
+    probe(onednn=1.0, vdpbf16ps=3.0, fma=2.0)
     onednn, kernels_ = runner(), runner(cpu_bf16_matmul="kernels")
-    assert onednn.model.lm_head.bf16_fma is None and onednn.model.lm_head.packed_weight is not None
-    assert all(layer["qkv"].bf16_fma is not None and layer["qkv"].packed_weight is None
+    assert onednn.model.lm_head.bf16_large is None and onednn.model.lm_head.packed_weight is not None
+    assert all(layer["qkv"].bf16_large is module.bf16_linear_fma and layer["qkv"].packed_weight is None
                for layer in kernels_.model.layers)
-    # auto follows the probe, both ways.
-    monkeypatch.setattr("model_worker.model_runner.fma_matmul_speedup", lambda kernel: 1.5)
-    assert runner(cpu_bf16_matmul="auto").model.lm_head.bf16_fma is not None
-    monkeypatch.setattr("model_worker.model_runner.fma_matmul_speedup", lambda kernel: 0.3)
+    # auto follows the probe: the kernels where the faster is within KERNEL_MATMUL_MIN_SPEEDUP of oneDNN.
+    probe(onednn=1.0, vdpbf16ps=1.1, fma=3.0)
+    assert runner(cpu_bf16_matmul="auto").model.lm_head.bf16_large is module.bf16_linear
+    probe(onednn=1.0, vdpbf16ps=2.0, fma=3.0)
     slower = runner(cpu_bf16_matmul="auto").model.lm_head
-    assert slower.bf16_fma is None and slower.bf16_blocks is None and slower.packed_weight is not None
+    assert slower.bf16_large is None and slower.bf16_blocks is None and slower.packed_weight is not None
     # Kernels off (--no-cpu-decode-kernel): oneDNN whatever the mode.
-    assert runner(cpu_bf16_matmul="kernels", cpu_decode_kernel=False).model.lm_head.bf16_fma is None
-    hidden = _bf16(12, onednn.shape.hidden_size, seed=11)  # > 8 rows: the FMA kernel's steps
+    assert runner(cpu_bf16_matmul="kernels", cpu_decode_kernel=False).model.lm_head.bf16_large is None
+    hidden = _bf16(12, onednn.shape.hidden_size, seed=11)  # > 8 rows: the FMA kernel's steps here
     a, b = kernels_.model.logits(hidden).float(), onednn.model.logits(hidden).float()
     assert not torch.equal(a, b)
     assert F.cosine_similarity(a, b).min().item() > 0.9999

@@ -141,8 +141,8 @@ class GPT2Model:
 
     def __init__(self, shape: GPT2Shape, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, int8_small_batch: bool = False, int8_kernel: ModuleType | None = None,
-                 bf16_kernel: ModuleType | None = None, bf16_all_steps: bool = False) -> None:
-        """bf16_kernel, bf16_all_steps: see Linear."""
+                 bf16_kernel: ModuleType | None = None, bf16_large_steps: str = "onednn") -> None:
+        """bf16_kernel, bf16_large_steps: see Linear."""
         self.shape = shape
         self.device = device
         self.dtype = dtype
@@ -155,7 +155,7 @@ class GPT2Model:
         def conv1d(name: str) -> Linear:
             # Conv1D stores [in, out]; Linear wants [out, in] for F.linear.
             weight = weights.pop(name + ".weight").t().to(device=device, dtype=dtype).contiguous()
-            return Linear(weight, take(name + ".bias"), int8_small_batch, 0, int8_kernel, bf16_kernel, bf16_all_steps)
+            return Linear(weight, take(name + ".bias"), int8_small_batch, 0, int8_kernel, bf16_kernel, bf16_large_steps)
 
         self.wte = take("wte.weight")  # [V, E]
         self.wpe = take("wpe.weight")  # [n_positions, E]
@@ -173,7 +173,7 @@ class GPT2Model:
             })
         self.ln_f = (take("ln_f.weight"), take("ln_f.bias"))
         head = self.wte if s.tie_word_embeddings or "lm_head.weight" not in weights else take("lm_head.weight")
-        self.lm_head = Linear(head, None, int8_small_batch, 0, int8_kernel, bf16_kernel, bf16_all_steps)
+        self.lm_head = Linear(head, None, int8_small_batch, 0, int8_kernel, bf16_kernel, bf16_large_steps)
         self.act = ACTIVATIONS[s.activation]
 
     def _layer_norm(self, x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -17,22 +17,24 @@ a decode step's weights), else torch's op on the plain int8 rows.
 
 Without int8's rounding, --bf16-small-batch keeps a second bf16 copy packed the same way, for
 model_worker/kernels/bf16_linear.cpp (AVX512-BF16): it streams the weights near copy bandwidth where
-oneDNN's packed matmul reaches about 0.7 of it at 1-4 rows (scratch timing; decode steps 1.3-1.5x
+oneDNN's packed matmul reaches about 0.7 of it at 1-4 rows (scratch timing; decode steps 1.4-1.5x
 faster, bench/bench_bf16_linear.py), at the cost of the bf16 weights' memory again.
 
-On some CPUs oneDNN's bf16 GEMM is the slow part of every larger step: on this project's Intel
-host a core issued 0.5 VDPBF16PS a cycle (16 multiply-adds) against 2 float32 FMAs (32), and
-oneDNN's bf16 matmul ran at 0.55x its float32 one. There
-(--cpu-bf16-matmul kernels, or auto when fma_matmul_speedup measures it) the packed bf16 copy
-is the only one: steps of at most 8 tokens stream it as above, larger ones go to
-bf16_linear_fma, which converts each 4-row block to float32 once and multiplies in float32 FMAs
-(whole SmolLM2 decode steps 1.15-1.20x faster at 16-64 streams there, bench/bench_fma_linear.py).
-Where VDPBF16PS runs at full rate (this project's AMD host: bf16 GEMMs 3.4-6x float32's) oneDNN
-stays.
+--cpu-bf16-matmul kernels (or auto, where a startup timing finds them at least as fast) keeps the
+packed copy as the only one, for every step: steps of at most 8 tokens stream it as above, larger
+ones go to whichever of two matmuls on it the timing found faster:
+- bf16_linear itself: the same VDPBF16PS dot products, each 4-row block (then in L1) passed over
+  by x's rows 4 at a time;
+- bf16_linear_fma: each block converted to float32 once, multiplied in float32 FMAs, for CPUs
+  where VDPBF16PS is slow: on this project's Intel host a core issued 0.5 VDPBF16PS a cycle (16
+  multiply-adds) against 2 float32 FMAs (32), and oneDNN's bf16 matmul ran at 0.55x its float32
+  one (whole SmolLM2 decode steps 1.15-1.20x faster on the FMA kernel than on oneDNN at 16-64
+  streams there).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from types import ModuleType
 
@@ -44,15 +46,22 @@ import torch.nn.functional as F
 # tokens: 15.0 ms against bf16's 18.8; the two meet near 12).
 INT8_MAX_TOKENS = 4
 INT8_KERNEL_MAX_TOKENS = 8
-# Steps of at most this many tokens use the bf16 copy (kernels/bf16_linear.cpp): over SmolLM2's
-# layer weights it was 1.07-1.15x oneDNN's GEMM at 8 rows and slower from 12 (scratch timing).
+# Steps of at most this many tokens use the bf16 copy's streaming matmul (kernels/bf16_linear.cpp).
+# Set when it lost to oneDNN from 12 rows; that was a spill in its inner loop, and since the fix
+# whole decode steps run 1.46x oneDNN's at 8 rows and 1.2x at 16 on the AMD host
+# (bench/bench_bf16_linear.py, bench/bench_kernel_matmul.py). It stays at 8 for
+# --cpu-bf16-matmul kernels on CPUs where VDPBF16PS is slow, which take larger steps to FMAs.
 BF16_KERNEL_MAX_TOKENS = 8
-# --cpu-bf16-matmul auto takes the kernels where fma_matmul_speedup is at least this. At parity
-# they still win overall, since steps of <= 8 tokens then stream the packed copy (1.3-1.6x) at no
-# extra memory. On the Intel host whole SmolLM2 decode steps ran 1.15-1.20x faster on them at
-# 16-64 streams; on the AMD host oneDNN's bf16 GEMMs ran 3.4-6x float32's, far below parity. It
-# is a timing on a shared machine: --cpu-bf16-matmul kernels or onednn pins the choice.
-FMA_MATMUL_MIN_SPEEDUP = 1.0
+# --cpu-bf16-matmul auto takes the kernels where the faster of the two, timed by
+# kernel_matmul_times, runs oneDNN's product at least this fast. Below parity they still win
+# overall: steps of <= 8 tokens stream the packed copy (1.3-1.5x), and whole decode steps of
+# 16-64 tokens ran 1.10-1.27x faster on the AMD host, where the probe's 256-row product read
+# 0.92-1.01 (a 512-token prefill 0.94x). It is a timing on a shared machine:
+# --cpu-bf16-matmul kernels or onednn pins the choice.
+KERNEL_MATMUL_MIN_SPEEDUP = 0.8
+# The matmuls for steps over BF16_KERNEL_MAX_TOKENS on the packed copy, by name: the bf16 kernel
+# module's function for each (see the module docstring).
+LARGE_STEP_KERNELS = {"vdpbf16ps": "bf16_linear", "fma": "bf16_linear_fma"}
 # kernels/int8_linear.cpp's and bf16_linear.cpp's packed layout: blocks of this many output rows by
 # this many columns.
 PACK_BLOCK_ROWS, PACK_BLOCK_COLS = 4, 32
@@ -105,16 +114,16 @@ class Linear:
     """y [T, N] = x [T, K] @ weight [N, K]^T (+ bias); `weight` is None when only the packed copy is kept."""
 
     __slots__ = ("weight", "packed_weight", "bias", "int8_weight", "int8_scales", "int8_matmul", "int8_max_tokens",
-                 "bf16_blocks", "bf16_matmul", "bf16_max_tokens", "bf16_fma", "out_features", "in_features",
+                 "bf16_blocks", "bf16_matmul", "bf16_max_tokens", "bf16_large", "out_features", "in_features",
                  "row_tile")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_small_batch: bool = False,
                  row_tile: int = 0, int8_kernel: ModuleType | None = None, bf16_kernel: ModuleType | None = None,
-                 bf16_all_steps: bool = False):
+                 bf16_large_steps: str = "onednn"):
         """int8_kernel: kernels.int8_linear_module(), or None for torch's int8 op. bf16_kernel:
         kernels.bf16_linear_module() to keep the packed bf16 copy for small steps, or None.
-        bf16_all_steps (with bf16_kernel): larger steps use its float32-FMA matmul on that copy
-        too, and no oneDNN copy is kept."""
+        bf16_large_steps: the matmul of larger steps: "onednn", or (with bf16_kernel) one of
+        LARGE_STEP_KERNELS on the packed copy, and then no oneDNN copy is kept."""
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.bias = bias
@@ -133,10 +142,11 @@ class Linear:
                 self.int8_matmul, self.int8_max_tokens = int8_kernel.int8_linear, INT8_KERNEL_MAX_TOKENS
             else:
                 self.int8_matmul, self.int8_max_tokens = torch.ops.aten._weight_int8pack_mm, INT8_MAX_TOKENS
-        self.bf16_blocks = self.bf16_matmul = self.bf16_fma = None
+        self.bf16_blocks = self.bf16_matmul = self.bf16_large = None
         self.bf16_max_tokens = 0
-        if bf16_all_steps and bf16_kernel is None:
-            raise ValueError("bf16_all_steps needs the bf16 kernel module")
+        if bf16_large_steps != "onednn" and (bf16_kernel is None or bf16_large_steps not in LARGE_STEP_KERNELS):
+            raise ValueError(f"bf16_large_steps {bf16_large_steps!r}: onednn, or one of {sorted(LARGE_STEP_KERNELS)} "
+                             "with the bf16 kernel module")
         if bf16_kernel is not None:
             if int8_small_batch or row_tile:
                 raise ValueError("bf16 small-batch weights are neither for int8 small-batch nor batch-invariant layers")
@@ -144,11 +154,11 @@ class Linear:
                 raise ValueError("bf16 small-batch weights need bfloat16 weights on the CPU")
             self.bf16_blocks = pack_row_blocks(weight)
             self.bf16_matmul, self.bf16_max_tokens = bf16_kernel.bf16_linear, BF16_KERNEL_MAX_TOKENS
-            if bf16_all_steps:
-                self.bf16_fma = bf16_kernel.bf16_linear_fma
+            if bf16_large_steps != "onednn":
+                self.bf16_large = getattr(bf16_kernel, LARGE_STEP_KERNELS[bf16_large_steps])
         # Batch-invariant mode keeps the plain GEMMs it was validated with.
-        self.packed_weight = None if row_tile or self.bf16_fma is not None else pack_for_onednn(weight)
-        if self.packed_weight is not None or self.bf16_fma is not None:
+        self.packed_weight = None if row_tile or self.bf16_large is not None else pack_for_onednn(weight)
+        if self.packed_weight is not None or self.bf16_large is not None:
             # The packed copy is the only one needed: keeping both would double the weights'
             # memory (a tied lm_head's plain weight lives on as the embedding table).
             self.weight = None
@@ -161,8 +171,8 @@ class Linear:
             return y if self.bias is None else y + self.bias
         if 0 < x.shape[0] <= self.bf16_max_tokens:
             return self.bf16_matmul(x, self.bf16_blocks, self.out_features, self.in_features, self.bias)
-        if self.bf16_fma is not None:
-            return self.bf16_fma(x, self.bf16_blocks, self.out_features, self.in_features, self.bias)
+        if self.bf16_large is not None:
+            return self.bf16_large(x, self.bf16_blocks, self.out_features, self.in_features, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -185,28 +195,28 @@ class Linear:
         return torch.cat(tiles)[:num_tokens]  # [T, N]
 
 
-def fma_matmul_speedup(bf16_kernel: ModuleType, rows: int = 256, features: int = 1024, trials: int = 9) -> float:
-    """oneDNN's packed bf16 matmul time over bf16_linear_fma's on one [rows, features] x
-    [features, features] product: the best of `trials` runs each, alternating, so both see the
-    same machine load (~60 ms in all). > 1: the FMA kernel is faster on this CPU. 256 rows, where
-    the two differ most on the Intel host (1.12-1.37x over 5 idle probes; 64 rows read 1.01-1.27,
-    and 0.94 once while the rest of the stack started beside it)."""
+def kernel_matmul_times(bf16_kernel: ModuleType, rows: int = 256, features: int = 1024,
+                        trials: int = 9) -> dict[str, float]:
+    """Seconds for one [rows, features] x [features, features] bf16 product on oneDNN's packed
+    matmul ("onednn") and on each of LARGE_STEP_KERNELS: the best of `trials` runs each, taken in
+    turn so that all see the same machine load (~0.1 s in all). "onednn" is inf where there is no
+    oneDNN (F.linear on bf16 would be slower still). 256 rows, where the FMA kernel and oneDNN
+    differ most on the Intel host (1.12-1.37x over 5 idle probes; 64 rows read 1.01-1.27, and
+    0.94 once while the rest of the stack started beside it)."""
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(features, features, generator=generator) * 0.03).to(torch.bfloat16)
     x = torch.randn(rows, features, generator=generator).to(torch.bfloat16)
-    packed = pack_for_onednn(weight)
-    if packed is None:
-        return float("inf")  # no oneDNN here: F.linear on bf16 would be slower still
     blocks = pack_row_blocks(weight)
-    runs = {
-        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-        "fma": lambda: bf16_kernel.bf16_linear_fma(x, blocks, features, features, None),
-    }
-    best = dict.fromkeys(runs, float("inf"))
-    for trial in range(trials + 1):  # round 0 warms both up and is not counted
+    runs = {name: functools.partial(getattr(bf16_kernel, function), x, blocks, features, features, None)
+            for name, function in LARGE_STEP_KERNELS.items()}
+    packed = pack_for_onednn(weight)
+    if packed is not None:
+        runs["onednn"] = functools.partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")
+    best = dict.fromkeys([*runs, "onednn"], float("inf"))
+    for trial in range(trials + 1):  # round 0 warms them up and is not counted
         for name, run in runs.items():
             start = time.perf_counter()
             run()
             if trial:
                 best[name] = min(best[name], time.perf_counter() - start)
-    return best["onednn"] / best["fma"]
+    return best

@@ -137,11 +137,11 @@ class LlamaModel:
     def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, int8_small_batch: bool = False, batch_invariant: bool = False,
                  int8_kernel: ModuleType | None = None, llama_ops: ModuleType | None = None,
-                 bf16_kernel: ModuleType | None = None, bf16_all_steps: bool = False) -> None:
+                 bf16_kernel: ModuleType | None = None, bf16_large_steps: str = "onednn") -> None:
         """int8_kernel, llama_ops, bf16_kernel: kernels.int8_linear_module(), kernels.llama_ops_module()
         and kernels.bf16_linear_module() (--bf16-small-batch, --cpu-bf16-matmul kernels), which the
         caller passes only for bf16 weights on the CPU (ModelRunner), or None for torch ops.
-        bf16_all_steps: see Linear."""
+        bf16_large_steps: see Linear."""
         self.shape = shape
         self.device = device
         self.dtype = dtype
@@ -155,7 +155,7 @@ class LlamaModel:
             return weights.pop(name).to(device=device, dtype=dtype).contiguous()
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear(weight, bias, int8_small_batch, row_tile, int8_kernel, bf16_kernel, bf16_all_steps)
+            return Linear(weight, bias, int8_small_batch, row_tile, int8_kernel, bf16_kernel, bf16_large_steps)
 
         self.embed = take("model.embed_tokens.weight")  # [V, hidden]
         self.layers = []
