@@ -74,6 +74,29 @@ def test_matches_the_float64_matmul(n, k, m):
 
 
 @needs_kernel
+@pytest.mark.parametrize("matmul", ["bf16_linear", "bf16_linear_fma"])
+def test_a_rows_output_does_not_depend_on_the_rest_of_the_step(matmul):
+    # The soak replays requests in other batches and expects the same tokens: a row's sums must not
+    # change with the step's size (streamed, panels, 128-row chunks) or its place in a 4-row group.
+    n, k = 200, 576
+    weight, bias = _bf16(n, k, seed=21), _bf16(n, seed=22)
+    packed, run = pack_row_blocks(weight), getattr(module, matmul)
+    x = _bf16(300, k, seed=23)
+    whole = run(x, packed, n, k, bias)
+    slices = [(0, 1), (5, 3), (6, 9), (130, 17), (1, 299)]
+    for start, rows in slices:
+        assert torch.equal(run(x[start:start + rows], packed, n, k, bias), whole[start:start + rows])
+    # Random values rarely land where another order of sums rounds to another bf16; these always
+    # do. Against a weight of ones, float lanes 0, 2 and 8 of the first column chunk hold 2^25,
+    # -2^25 and 1: lanes 0 and 2 first give 1 (the kernel's order), lanes 0 and 8 first lose the 1.
+    x = torch.zeros(300, k)
+    x[:, 0], x[:, 4], x[:, 16] = 2.0 ** 25, -(2.0 ** 25), 1.0
+    ones = pack_row_blocks(torch.ones(8, k).bfloat16())
+    for start, rows in slices:
+        assert (run(x[start:start + rows].bfloat16(), ones, 8, k) == 1).all()
+
+
+@needs_kernel
 def test_a_non_contiguous_x_is_read_as_its_values():
     weight = _bf16(64, 96, seed=1)
     x = _bf16(96, 3, seed=2).t()  # [3, 96], column-major
