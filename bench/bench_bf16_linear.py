@@ -41,7 +41,8 @@ def bench_batch(engine, batch: int, steps: int, base_id: int) -> dict[str, list[
 
 def main(argv: list[str] | None = None) -> None:
     run_step_bench(__doc__, argv, "| batch | bf16 kernel step ms (median / best) | oneDNN step ms (median / best) | "
-                   "oneDNN / kernel |", bench_batch, ["--bf16-small-batch"], BF16_KERNEL_MAX_TOKENS)
+                   "oneDNN / kernel |", bench_batch, ["--bf16-small-batch", "--cpu-bf16-matmul", "onednn"],
+                   BF16_KERNEL_MAX_TOKENS)
 
 
 if __name__ == "__main__":

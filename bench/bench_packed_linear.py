@@ -48,7 +48,7 @@ def bench_batch(engine, batch: int, steps: int, base_id: int) -> dict[str, list[
 
 def main(argv: list[str] | None = None) -> None:
     run_step_bench(__doc__, argv, "| batch | packed step ms (median / best) | F.linear step ms (median / best) | plain / packed |",
-                   bench_batch)
+                   bench_batch, ["--cpu-bf16-matmul", "onednn"])
 
 
 if __name__ == "__main__":

@@ -78,6 +78,12 @@ def _tensor_bytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _main_copy(layer: Linear) -> torch.Tensor | None:
+    """The copy of a layer's weights that steps over 8 tokens read: plain, oneDNN-packed, or (under
+    --cpu-bf16-matmul kernels) the only copy, packed in 4-row blocks."""
+    return next((w for w in (layer.weight, layer.packed_weight, layer.bf16_blocks) if w is not None), None)
+
+
 def weight_bytes_per_step(model) -> int:
     """Bytes of the weights one decode step reads: every layer's, the final norm's and the LM head's
     (the embedding table only by the step's rows, left out; tied, the LM head reads it whole)."""
@@ -85,14 +91,13 @@ def weight_bytes_per_step(model) -> int:
     for layer in model.layers:
         for value in layer.values():
             if isinstance(value, Linear):
-                weight = value.weight if value.weight is not None else value.packed_weight
-                total += _tensor_bytes(weight) + _tensor_bytes(value.bias)
+                total += _tensor_bytes(_main_copy(value)) + _tensor_bytes(value.bias)
             elif isinstance(value, torch.Tensor):
                 total += _tensor_bytes(value)
             elif isinstance(value, tuple):  # GPT-2's (weight, bias) norms
                 total += sum(_tensor_bytes(t) for t in value)
     head = model.lm_head
-    total += _tensor_bytes(head.weight if head.weight is not None else head.packed_weight)
+    total += _tensor_bytes(_main_copy(head))
     final_norm = getattr(model, "norm", None)
     if final_norm is None:
         final_norm = model.ln_f
@@ -162,9 +167,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="size of the copy that measures bandwidth")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
     parser.add_argument("--bf16-small-batch", action="store_true",
-                        help="CPU, bf16: also time steps on the bf16 small-step kernel (mode bf16_kernel)")
+                        help="CPU, bf16: also time steps on the bf16 small-step kernel (mode bf16_kernel) against "
+                             "oneDNN (mode eager); implies --cpu-bf16-matmul onednn")
+    parser.add_argument("--cpu-bf16-matmul", choices=["auto", "onednn", "kernels"], default=None,
+                        help="CPU, bf16: as the model worker's flag; default auto, as there (onednn with "
+                             "--bf16-small-batch)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.cpu_bf16_matmul is None:
+        args.cpu_bf16_matmul = "onednn" if args.bf16_small_batch else "auto"
+    elif args.bf16_small_batch and args.cpu_bf16_matmul != "onednn":
+        parser.error("--bf16-small-batch times the small-step kernel against oneDNN: not with --cpu-bf16-matmul "
+                     f"{args.cpu_bf16_matmul}")
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         parser.error("--batch-sizes must list sizes >= 1")
@@ -191,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
                              kv_cache_tokens=max_batch * -(-max_model_len // BLOCK_SIZE) * BLOCK_SIZE,
                              block_size=BLOCK_SIZE,
                              decode_graphs=device.type == "cuda" and not args.no_cuda_graphs,
-                             bf16_small_batch=args.bf16_small_batch)
+                             bf16_small_batch=args.bf16_small_batch, cpu_bf16_matmul=args.cpu_bf16_matmul)
     if args.bf16_small_batch and not any(layer.bf16_blocks is not None for layer in linear_layers(runner.model)):
         raise SystemExit("--bf16-small-batch: no bf16 kernel here (needs --dtype bfloat16 on a CPU with AVX512-BF16 "
                          "and a C++ compiler)")
