@@ -110,7 +110,9 @@ def time_decode_steps(runner: ModelRunner, batch: int, context: int, steps: int,
     """Step times (s) per mode over `steps` decode steps each, modes alternating step by step on one
     engine after `warmup` steps of each; and the mean context length of the timed steps."""
     graphs = runner.decode_graphs
-    kernel_layers = [layer for layer in linear_layers(runner.model) if layer.bf16_blocks is not None]
+    # --bf16-small-batch's copies beside oneDNN's (under --cpu-bf16-matmul kernels every step is on them).
+    kernel_layers = [layer for layer in linear_layers(runner.model)
+                     if layer.bf16_blocks is not None and layer.bf16_large is None]
     modes = (["eager"] + (["cuda_graphs"] if graphs is not None and graphs.capture else [])
              + (["bf16_kernel"] if kernel_layers else []))
 
