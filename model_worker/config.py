@@ -59,8 +59,9 @@ class Config(WorkerServerOptions):
     bf16_small_batch: bool = field(default=False, metadata={
         "help": "CPU + bfloat16 on AVX512-BF16: also keep the bf16 weights packed for a C++ matmul that streams "
                 "them near memory bandwidth, and use it for steps of <= 8 tokens (same weights, no int8 "
-                "rounding; one-stream decode steps 1.3-1.5x faster, +100%% weight memory; nothing more under "
-                "--cpu-bf16-matmul kernels, where the packed copy is the only one)"})
+                "rounding; decode steps of 1-8 streams 1.3-1.5x faster than oneDNN's, +100%% weight memory; "
+                "nothing more, and no difference, where --cpu-bf16-matmul takes the kernels, whose packed copy "
+                "is the only one)"})
     cpu_bf16_matmul: str = field(default="auto", metadata={
         "help": "CPU + bfloat16: the matmul of steps larger than --bf16-small-batch's. onednn: oneDNN's packed bf16 "
                 "GEMM. kernels: the weights packed once for model_worker/kernels/bf16_linear.cpp, steps of <= 8 "
