@@ -17,7 +17,7 @@
 //   block by one transposed sum. Larger steps pass over each block (then in L1) 4 rows of x at a
 //   time, so the weights are still read from memory once.
 // A row of y is summed in the same order whatever the step's size and the row's place in it, so
-// it does not depend on the other rows (in the FMA matmul too, on its own).
+// it does not depend on the other rows; the FMA matmul gives the same bits (below).
 // The products of two bf16 values are exact in float32 and the bias is added in float32 before
 // the one bf16 rounding, as oneDNN does, so this differs from oneDNN's bf16 matmul only in the
 // order of the float32 sums. (VDPBF16PS flushes bf16 denormals to zero; oneDNN's packed path
@@ -250,7 +250,15 @@ void run_dp(const c10::BFloat16* x, int64_t M, int64_t K, int64_t Kp, const c10:
 // value is the top half of a float32, so a 32-bit lane holding two of them (k even, k odd)
 // gives both as float32 with one shift and one mask: each 32-column chunk becomes an "even"
 // and an "odd" vector of 16 floats. x is converted once per call the same way, so lane i of
-// both operands pairs the same k; the order of columns within a dot product does not matter.
+// both operands pairs the same k.
+//
+// Each lane adds its odd column's product, then its even one's, each in one FMA: the order in
+// which VDPBF16PS adds them (Intel's SDM: two FMAs, odd first), and the products of two bf16
+// values are exact. With the same accumulators, chunk order and epilogue, the two matmuls give
+// bitwise the same outputs (measured on the AMD host; VDPBF16PS also flushes denormal inputs and
+// outputs, which FMAs do not), so --cpu-bf16-matmul kernels hands steps from one to the other at
+// 8 tokens without a row's output depending on the step's size. Even columns first, 59 of 3.1M
+// outputs of a 64-row lm_head product differed by one bf16 step.
 //
 // Each block (4 output rows) is converted once into a float32 buffer that stays in L1, then x
 // passes over it 4 rows at a time with 4 x 4 float32 accumulators, so the conversion is shared
@@ -300,7 +308,7 @@ void fma_block(const float* xf, int64_t Kp, const float* wf, int64_t n0, int64_t
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < Kp; k += kCols) {
     const float* wk = wf + k * kRows;  // [4 rows][even, odd][16]
-    for (int half = 0; half < 2; ++half) {
+    for (int half = 1; half >= 0; --half) {  // odd columns first, as VDPBF16PS adds them (above)
       __m512 xv[M];
       for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(xf + m * Kp + k + half * 16);
       for (int r = 0; r < kRows; ++r) {
