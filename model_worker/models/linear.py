@@ -20,16 +20,16 @@ model_worker/kernels/bf16_linear.cpp (AVX512-BF16): it streams the weights near 
 oneDNN's packed matmul reaches about 0.7 of it at 1-4 rows (scratch timing; decode steps 1.4-1.5x
 faster, bench/bench_bf16_linear.py), at the cost of the bf16 weights' memory again.
 
---cpu-bf16-matmul kernels (or auto, where a startup timing finds them at least as fast) keeps the
+--cpu-bf16-matmul kernels (or auto, where a startup timing finds them fast enough) keeps the
 packed copy as the only one, for every step: steps of at most 8 tokens stream it as above, larger
 ones go to whichever of two matmuls on it the timing found faster:
 - bf16_linear itself: the same VDPBF16PS dot products, each 4-row block (then in L1) passed over
-  by x's rows 4 at a time;
+  by x's rows 4 at a time, over panels of blocks for larger steps;
 - bf16_linear_fma: each block converted to float32 once, multiplied in float32 FMAs, for CPUs
   where VDPBF16PS is slow: on this project's Intel host a core issued 0.5 VDPBF16PS a cycle (16
   multiply-adds) against 2 float32 FMAs (32), and oneDNN's bf16 matmul ran at 0.55x its float32
   one (whole SmolLM2 decode steps 1.15-1.20x faster on the FMA kernel than on oneDNN at 16-64
-  streams there).
+  streams there). It sums in VDPBF16PS's order, so the two give the same bits.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ BF16_KERNEL_MAX_TOKENS = 8
 # --cpu-bf16-matmul auto takes the kernels where the faster of the two, timed by
 # kernel_matmul_times, runs oneDNN's product at least this fast. Below parity they still win
 # overall: steps of <= 8 tokens stream the packed copy (1.3-1.5x), and whole decode steps of
-# 16-64 tokens ran 1.10-1.27x faster on the AMD host, where the probe's 256-row product read
-# 0.92-1.01 (a 512-token prefill 0.94x). It is a timing on a shared machine:
+# 16-64 tokens ran 1.06-1.29x faster on the AMD host, where the probe's 256-row product read
+# 0.92-1.01 (a 512-token prefill 0.96x). It is a timing on a shared machine:
 # --cpu-bf16-matmul kernels or onednn pins the choice.
 KERNEL_MATMUL_MIN_SPEEDUP = 0.8
 # The matmuls for steps over BF16_KERNEL_MAX_TOKENS on the packed copy, by name: the bf16 kernel
