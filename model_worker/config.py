@@ -116,10 +116,10 @@ class Config(WorkerServerOptions):
                              "--batch-invariant, --dtype float32 or --device cuda")
         if self.cpu_bf16_matmul not in ("auto", "onednn", "kernels"):
             raise ValueError(f"--cpu-bf16-matmul must be auto, onednn or kernels, not {self.cpu_bf16_matmul!r}")
-        if self.cpu_bf16_matmul == "kernels" and (self.int8_small_batch or self.batch_invariant
-                                                  or self.dtype == "float32" or self.device == "cuda"):
+        if self.cpu_bf16_matmul == "kernels" and (self.batch_invariant or self.dtype == "float32"
+                                                  or self.device == "cuda"):
             raise ValueError("--cpu-bf16-matmul kernels is a CPU bfloat16 path of its own: not with "
-                             "--int8-small-batch, --batch-invariant, --dtype float32 or --device cuda")
+                             "--batch-invariant, --dtype float32 or --device cuda")
         if self.cuda_graphs and self.device == "cpu":
             raise ValueError("--cuda-graphs needs a CUDA device, not --device cpu")
         if self.cuda_graphs and self.batch_invariant:

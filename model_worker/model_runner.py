@@ -199,8 +199,8 @@ class ModelRunner:
             weights = (dummy_weights(s, device=device if on_gpu else None, dtype=dtype if on_gpu else torch.float32)
                        if load_format == "dummy" else load_weights(model_dir))
             int8_kernel = int8_linear_module(kernel_build_root) if cpu_kernels and int8_small_batch else None
-            bf16_kernel, bf16_large_steps = self._bf16_matmul(bf16_cpu_kernels and not int8_small_batch,
-                                                              kernel_build_root, bf16_small_batch, cpu_bf16_matmul)
+            bf16_kernel, bf16_large_steps = self._bf16_matmul(bf16_cpu_kernels, kernel_build_root, bf16_small_batch,
+                                                              cpu_bf16_matmul)
             if isinstance(s, GPT2Shape):
                 self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel, bf16_kernel,
                                        bf16_large_steps)
@@ -248,8 +248,9 @@ class ModelRunner:
     def _bf16_matmul(kernels_apply: bool, kernel_build_root: Path, bf16_small_batch: bool,
                      cpu_bf16_matmul: str) -> tuple[ModuleType | None, str]:
         """(bf16_linear_module() or None, Linear's bf16_large_steps) from --bf16-small-batch and
-        --cpu-bf16-matmul; kernels_apply: bf16 weights on the CPU with the C++ kernels on (and no
-        int8 copy). The module is built only where a flag may use it."""
+        --cpu-bf16-matmul; kernels_apply: bf16 weights on the CPU with the C++ kernels on. With
+        --int8-small-batch (never beside --bf16-small-batch) the kernels take only the steps the int8
+        copy does not. The module is built only where a flag may use it."""
         if not bf16_small_batch and cpu_bf16_matmul == "onednn":
             return None, "onednn"
         kernel = bf16_linear_module(kernel_build_root) if kernels_apply else None

@@ -308,14 +308,29 @@ def test_linear_on_all_steps_keeps_only_the_packed_copy(large_steps):
         Linear(weight, bf16_kernel=module, bf16_large_steps="amx")
 
 
-@pytest.mark.parametrize("other", [{"int8_small_batch": True}, {"batch_invariant": True}, {"dtype": "float32"},
-                                   {"device": "cuda"}], ids=["int8", "batch-invariant", "float32", "cuda"])
+@pytest.mark.parametrize("other", [{"batch_invariant": True}, {"dtype": "float32"}, {"device": "cuda"}],
+                         ids=["batch-invariant", "float32", "cuda"])
 def test_config_refuses_the_kernels_with_paths_they_do_not_serve(other):
     with pytest.raises(ValueError, match="--cpu-bf16-matmul kernels"):
         Config(cpu_bf16_matmul="kernels", **other)
     Config(cpu_bf16_matmul="auto", **other)  # auto falls back to oneDNN there instead
+    Config(cpu_bf16_matmul="kernels", int8_small_batch=True)  # the kernels take the steps int8 does not
     with pytest.raises(ValueError, match="auto, onednn or kernels"):
         Config(cpu_bf16_matmul="fma")
+
+
+@needs_kernel
+def test_with_int8_small_steps_the_kernels_take_the_larger_ones():
+    weight, bias = _bf16(96, 64, seed=31), _bf16(96, seed=32)
+    layer = Linear(weight, bias, int8_small_batch=True, int8_kernel=kernels.int8_linear_module(),
+                   bf16_kernel=module, bf16_large_steps="vdpbf16ps")
+    int8_only = Linear(weight, bias, int8_small_batch=True, int8_kernel=kernels.int8_linear_module())
+    assert layer.packed_weight is None and layer.weight is None and layer.bf16_max_tokens == 0
+    for rows in (1, layer.int8_max_tokens, layer.int8_max_tokens + 1, 40):
+        x = _bf16(rows, 64, seed=rows + 30)
+        expected = (int8_only(x) if rows <= layer.int8_max_tokens
+                    else module.bf16_linear(x, layer.bf16_blocks, 96, 64, bias))
+        assert torch.equal(layer(x), expected)
 
 
 @needs_kernel
@@ -346,6 +361,9 @@ def test_model_runner_modes_pick_the_matmul(tiny_model_dir, monkeypatch):
     probe(onednn=1.0, vdpbf16ps=2.0, fma=3.0)
     slower = runner(cpu_bf16_matmul="auto").model.lm_head
     assert slower.bf16_large is None and slower.bf16_blocks is None and slower.packed_weight is not None
+    with_int8 = runner(cpu_bf16_matmul="kernels", int8_small_batch=True).model.lm_head
+    assert with_int8.int8_weight is not None and with_int8.bf16_large is module.bf16_linear
+    assert with_int8.packed_weight is None
     # Kernels off (--no-cpu-decode-kernel): oneDNN whatever the mode.
     assert runner(cpu_bf16_matmul="kernels", cpu_decode_kernel=False).model.lm_head.bf16_large is None
     hidden = _bf16(12, onednn.shape.hidden_size, seed=11)  # > 8 rows: the FMA kernel's steps here

@@ -148,12 +148,13 @@ class Linear:
             raise ValueError(f"bf16_large_steps {bf16_large_steps!r}: onednn, or one of {sorted(LARGE_STEP_KERNELS)} "
                              "with the bf16 kernel module")
         if bf16_kernel is not None:
-            if int8_small_batch or row_tile:
+            if row_tile or (int8_small_batch and bf16_large_steps == "onednn"):
                 raise ValueError("bf16 small-batch weights are neither for int8 small-batch nor batch-invariant layers")
             if not small_batch_supported(weight):
                 raise ValueError("bf16 small-batch weights need bfloat16 weights on the CPU")
             self.bf16_blocks = pack_row_blocks(weight)
-            self.bf16_matmul, self.bf16_max_tokens = bf16_kernel.bf16_linear, BF16_KERNEL_MAX_TOKENS
+            if not int8_small_batch:  # with int8 small-step weights, the packed copy serves larger steps only
+                self.bf16_matmul, self.bf16_max_tokens = bf16_kernel.bf16_linear, BF16_KERNEL_MAX_TOKENS
             if bf16_large_steps != "onednn":
                 self.bf16_large = getattr(bf16_kernel, LARGE_STEP_KERNELS[bf16_large_steps])
         # Batch-invariant mode keeps the plain GEMMs it was validated with.
