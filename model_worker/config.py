@@ -67,8 +67,8 @@ class Config(WorkerServerOptions):
                 "GEMM. kernels: the weights packed once for model_worker/kernels/bf16_linear.cpp, steps of <= 8 "
                 "tokens streamed as with --bf16-small-batch, larger ones on whichever of its two matmuls (VDPBF16PS, "
                 "or float32 FMAs for CPUs where VDPBF16PS is slow) a ~0.1 s product at startup runs faster; no extra "
-                "weight memory. auto: kernels where that product runs at least as fast on them as on oneDNN, else "
-                "onednn"})
+                "weight memory. auto: kernels where that product runs at least 0.8x as fast on them as on oneDNN "
+                "(the steps of <= 8 tokens make up the rest), else onednn"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "bitwise-identical tokens and logprobs for a request whatever else is batched with it "
                 "(fixed-shape GEMMs, attention one query at a time); trades speed for it, Llama family only"})
