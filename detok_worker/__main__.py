@@ -13,6 +13,7 @@ from detok_worker.config import Config
 from detok_worker.servicer import SERVICE_FULL_NAME, DetokenizerServicer
 from tokenwire.config_cli import parse_config
 from tokenwire.grpc_server import add_health_and_reflection, mark_serving, new_server, serve_until_signal
+from tokenwire.sched_slice import use_serving_slice
 from tokenwire.v1 import detok_worker_pb2_grpc
 
 logger = logging.getLogger("detok_worker")
@@ -31,6 +32,7 @@ def main() -> None:
     config = parse_config(Config, env_prefix="TOKENWIRE_DETOK_")
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    use_serving_slice(config, "detok worker", whole_process=True)  # gRPC starts its threads later: they inherit it
     asyncio.run(serve(config))
 
 

@@ -13,11 +13,13 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import Config
 from tokenwire.config_cli import parse_config
+from tokenwire.sched_slice import use_serving_slice
 
 
 def main() -> None:
     config = parse_config(Config, env_prefix="TOKENWIRE_GATEWAY_")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    use_serving_slice(config, "gateway", whole_process=True)  # uvicorn and gRPC start theirs later: they inherit it
     # On SIGTERM uvicorn stops accepting, lets open requests (streams included) finish for up to
     # drain_grace_s, then runs the lifespan's shutdown.
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,

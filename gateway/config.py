@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from gateway.request_limits import RequestLimits
 from tokenwire.grpc_tls import client_tls
+from tokenwire.sched_slice import SchedSliceOption
 
 # A --model-workers entry the gateway resolves itself, one replica per address.
 DNS_SCHEME = "dns:///"
@@ -23,7 +24,7 @@ def dns_name(address: str) -> tuple[str, int] | None:
 
 
 @dataclass
-class Config:
+class Config(SchedSliceOption):
     """tokenwire gateway: the OpenAI-compatible REST API in front of the two workers."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
@@ -72,6 +73,7 @@ class Config:
         "help": "most entries in allowed_token_ids or stop_token_ids"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.limits = RequestLimits(self.max_body_bytes, self.max_stop_strings, self.max_stop_string_chars,
                                     self.max_logit_bias_entries, self.max_bad_words, self.max_token_id_list,
                                     self.request_timeout_s)

@@ -22,6 +22,7 @@ from model_worker.servicer import ModelWorkerServicer
 from model_worker.structured_output import GrammarCompiler
 from tokenwire import grpc_server
 from tokenwire.config_cli import parse_config
+from tokenwire.sched_slice import use_serving_slice
 from tokenwire.tokenizer_files import tokenizer_identity
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc
@@ -90,6 +91,10 @@ async def serve(config: Config) -> None:
     engine, model_dir, hf_config, eos_ids = await asyncio.get_running_loop().run_in_executor(
         engine_thread, build_engine, config)
     runner = engine.runner
+    # The engine thread (and torch's OpenMP threads, which it started) keep the kernel's default
+    # time slice; from here this thread and the ones it starts (the output handover, gRPC's) are
+    # the serving path's.
+    use_serving_slice(config, "model worker", whole_process=False)
     # Structured output: llguidance's token trie from tokenizer.json (~1 s, once).
     tokenizer_json = model_dir / "tokenizer.json"
     grammar_compiler = (GrammarCompiler.from_tokenizer_file(tokenizer_json, runner.vocab_size, eos_ids)

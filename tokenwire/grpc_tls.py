@@ -13,6 +13,8 @@ from pathlib import Path
 
 import grpc
 
+from tokenwire.sched_slice import SchedSliceOption
+
 
 def _read(path: str, flag: str) -> bytes:
     try:
@@ -110,9 +112,9 @@ def sync_channel(address: str, tls: ClientTLS | None,
 
 
 @dataclass
-class WorkerServerOptions:
-    """The flags both gRPC workers share (TLS / mTLS and the SIGTERM drain); each worker's Config
-    inherits them, so the flags and their checks are written once."""
+class WorkerServerOptions(SchedSliceOption):
+    """The flags both gRPC workers share (TLS / mTLS, the SIGTERM drain, the serving threads' time
+    slice); each worker's Config inherits them, so the flags and their checks are written once."""
 
     tls_cert_file: str = field(default="", metadata={"help": "PEM certificate chain; with --tls-key-file serves gRPC over TLS"})
     tls_key_file: str = field(default="", metadata={"help": "PEM private key of --tls-cert-file"})
@@ -122,4 +124,5 @@ class WorkerServerOptions:
         "help": "on SIGTERM: seconds running requests get to finish before the worker exits"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.tls = server_tls(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
