@@ -111,6 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--label", default="tokenwire engine alone")
     parser.add_argument("--json", dest="json_out", default="")
     parser.add_argument("--plot", default="")
+    return parse_with_model_worker_args(parser, argv)
+
+
+def parse_with_model_worker_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The bench's flags (the parser's, plus the workload's), with the model worker flags after
+    `--` as args.model_worker_args and the Workload as args.workload."""
     add_workload_args(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)

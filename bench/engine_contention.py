@@ -30,10 +30,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: python bench/engine_contention.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_alone import EngineDriver, build_engine  # noqa: E402
+from bench.engine_alone import EngineDriver, build_engine, parse_with_model_worker_args  # noqa: E402
 from bench.metrics import summarize  # noqa: E402
 from bench.prompts import load_tokenizer, make_prompts  # noqa: E402
-from bench.workload import add_workload_args, workload_from_args  # noqa: E402
 from model_worker.config import Config  # noqa: E402
 from tokenwire.config_cli import parse_config  # noqa: E402
 
@@ -71,12 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--busy-ms", type=float, default=1.0, help="the competitor spins this long ...")
     parser.add_argument("--period-ms", type=float, default=10.0, help="... once every this many ms")
     parser.add_argument("--json", dest="json_out", default="")
-    add_workload_args(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:split])
-    args.model_worker_args = argv[split + 1:]
-    args.workload = workload_from_args(args, parser)
+    args = parse_with_model_worker_args(parser, argv)
     if args.rounds < 1 or not 0 < args.busy_ms < args.period_ms:
         parser.error("--rounds must be >= 1 and 0 < --busy-ms < --period-ms")
     if len(list(args.workload.levels())) != 1:

@@ -62,37 +62,37 @@ def _syscall_numbers() -> tuple[int, int] | None:
     return _SYSCALLS.get(platform.machine())
 
 
-def thread_slice_ns(thread_id: int = 0) -> int | None:
-    """A thread's (0: the calling one's) time slice in ns as the kernel reports it (its default
-    where none was asked for), or None where it cannot be read."""
+def _sched_attr(thread_id: int) -> list | None:
+    """A thread's struct sched_attr fields (0: the calling thread), or None where they cannot be read."""
     numbers = _syscall_numbers()
     if numbers is None:
         return None
     libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(_SCHED_ATTR.size)
     if libc.syscall(numbers[1], thread_id, buf, _SCHED_ATTR.size, 0) != 0:
+        logger.debug("sched_getattr failed (errno %d)", ctypes.get_errno())
         return None
-    return _SCHED_ATTR.unpack(buf.raw)[5]
+    return list(_SCHED_ATTR.unpack(buf.raw))
+
+
+def thread_slice_ns(thread_id: int = 0) -> int | None:
+    """A thread's (0: the calling one's) time slice in ns as the kernel reports it (its default
+    where none was asked for), or None where it cannot be read."""
+    fields = _sched_attr(thread_id)
+    return None if fields is None else fields[5]
 
 
 def request_thread_slice(slice_us: int, thread_id: int = 0) -> bool:
     """Asks for a `slice_us` time slice for a thread (0: the calling one), which the threads it
     creates afterwards inherit; 0 restores the kernel's default. Only SCHED_OTHER threads are
     changed. True when the kernel took the request (it ignores it before 6.12)."""
-    numbers = _syscall_numbers()
-    if numbers is None:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(_SCHED_ATTR.size)
-    if libc.syscall(numbers[1], thread_id, buf, _SCHED_ATTR.size, 0) != 0:
-        logger.debug("sched_getattr failed (errno %d); keeping the default time slice", ctypes.get_errno())
-        return False
-    fields = list(_SCHED_ATTR.unpack(buf.raw))
-    if fields[1] != SCHED_OTHER:
+    fields = _sched_attr(thread_id)
+    if fields is None or fields[1] != SCHED_OTHER:
         return False
     fields[0], fields[2], fields[5] = _SCHED_ATTR.size, 0, slice_us * 1000
     request = ctypes.create_string_buffer(_SCHED_ATTR.pack(*fields), _SCHED_ATTR.size)
-    if libc.syscall(numbers[0], thread_id, request, 0) != 0:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_syscall_numbers()[0], thread_id, request, 0) != 0:
         logger.debug("sched_setattr(sched_runtime=%d us) failed (errno %d); keeping the default time slice",
                      slice_us, ctypes.get_errno())
         return False
