@@ -58,8 +58,13 @@ class BeamSearchRequest:
         self._results: dict[int, BeamCandidates] = {}
 
     def start(self) -> None:
-        """Adds the first round; raises RequestRejected if the engine refuses the prompt."""
-        self._add_round()
+        """Adds the first round; raises RequestRejected if the engine refuses the prompt or any
+        beam of the round (a full waiting queue), after taking back the beams it had added."""
+        try:
+            self._add_round()
+        except RequestRejected:
+            self.abort()
+            raise
 
     def _add_round(self) -> None:
         self._results.clear()

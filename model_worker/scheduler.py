@@ -113,11 +113,13 @@ class Scheduler:
             prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         # Then admit waiting sequences in arrival order while blocks, budget and seats remain.
-        # A request with n / best_of samples needs a seat for each once its prompt is done.
+        # A request with n / best_of samples needs a seat for each once its prompt is done, and
+        # a running one whose prompt is not done yet still holds the seats of its samples.
+        seats_taken = sum(1 + seq.num_pending_forks for seq in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             seats = 1 + seq.num_pending_forks
-            if self.running and len(self.running) + seats > self.max_num_seqs:
+            if seats_taken and seats_taken + seats > self.max_num_seqs:
                 break
             # Prompt logprobs need every prompt position's logits, so no cached prefix for
             # them until the first token is out (a recompute after preemption may use it).
@@ -129,6 +131,7 @@ class Scheduler:
             if not seq.output_token_ids:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
             self.running.append(seq)
+            seats_taken += seats
             prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         return SchedulerOutput(prefills, decodes, copies)

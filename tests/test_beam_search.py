@@ -80,11 +80,11 @@ def test_diversity_penalty_pushes_beams_to_different_tokens():
     assert [h.token_ids for h in weak.best()] == [[5], [5]]  # a tiny penalty cannot beat 0.9 vs 0.05
 
 
-def make_engine(tiny_model_dir) -> LLMEngine:
+def make_engine(tiny_model_dir, max_waiting_requests: int = 64) -> LLMEngine:
     runner = ModelRunner(tiny_model_dir, "dummy", torch.device("cpu"), torch.float32, 8, 128, kv_cache_tokens=1024,
                          block_size=8)
     return LLMEngine(runner, eos_token_ids=[EOS], max_num_seqs=8, max_num_batched_tokens=256,
-                     max_waiting_requests=64)
+                     max_waiting_requests=max_waiting_requests)
 
 
 def run_beam(engine: LLMEngine, prompt: list[int], **kwargs) -> list:
@@ -126,6 +126,15 @@ def test_beam_search_rejects_sampling_knobs(tiny_model_dir):
         run_beam(engine, [1, 2, 3], sampling=SamplingParams(temperature=0.7), max_tokens=4, n=1, best_of=2)
     with pytest.raises(RequestRejected, match="n <= best_of"):
         run_beam(engine, [1, 2, 3], max_tokens=4, n=3, best_of=2)
+
+
+def test_a_first_round_the_queue_cannot_take_whole_leaves_nothing_behind(tiny_model_dir):
+    # With a diversity penalty the first round has a request per beam; a waiting queue of 2
+    # takes two of the four, refuses the third, and the two it took must go too.
+    engine = make_engine(tiny_model_dir, max_waiting_requests=2)
+    with pytest.raises(RequestRejected, match="already waiting"):
+        run_beam(engine, [1, 2, 3], max_tokens=4, n=1, best_of=4, diversity_penalty=1.0)
+    assert not engine.has_work() and not engine.groups
 
 
 @pytest.mark.slow

@@ -125,6 +125,22 @@ def check_block_invariants(scheduler: Scheduler) -> None:
     assert bm.num_used_blocks == len(holders)
 
 
+def test_a_running_prompt_keeps_seats_for_the_samples_it_will_fork():
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    three_samples = Sequence(0, [1, 2], SamplingParams(), max_tokens=5, stop_token_ids=frozenset(),
+                             num_pending_forks=2)
+    scheduler.add(three_samples)
+    for i in (1, 2, 3):
+        scheduler.add(seq(i, 2, first_token=10 * i))
+    # Its 3 seats and one more fit in 4; the other two wait although only 2 sequences run yet.
+    assert [s for s, _, _ in run_chunks(scheduler)] == [0, 1]
+    assert len(scheduler.waiting) == 2
+    # A request bigger than max_num_seqs alone still runs when nothing else does.
+    alone = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    alone.add(Sequence(9, [1, 2], SamplingParams(), max_tokens=5, stop_token_ids=frozenset(), num_pending_forks=3))
+    assert [s for s, _, _ in run_chunks(alone)] == [9]
+
+
 def test_random_load_with_forks_preemption_and_aborts_keeps_the_books_straight():
     import random
 
@@ -154,6 +170,7 @@ def test_random_load_with_forks_preemption_and_aborts_keeps_the_books_straight()
                 next_id += 1
                 scheduler.fork(c.seq, child)
             c.seq.num_pending_forks = 0
+        assert len(scheduler.running) <= scheduler.max_num_seqs  # samples forked included
         for s in list(scheduler.running):
             if len(s.output_token_ids) >= s.max_tokens or (s.output_token_ids and rng.random() < 0.02):
                 scheduler.finish(s)
