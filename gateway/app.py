@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -55,6 +55,8 @@ from gateway.responses import (
 )
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Bad parameters, or a prompt longer than the context"},
@@ -173,9 +175,14 @@ async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Seque
             await responder.prepare(index, output.as_event())
         return JSONResponse(responder.response(outputs, num_prompt_tokens).model_dump())
     # The first event is awaited before the headers go out, so a refusal by the model worker
-    # (429, 400) still gets its own HTTP status instead of an error event in a 200 stream.
+    # (429, 400) still gets its own HTTP status instead of an error event in a 200 stream. A
+    # client that leaves while its request waits for a seat is noticed here too.
     try:
-        first = await anext(events)
+        waited = await _unless_disconnected(request, anext(events))
+        if waited is None:
+            await events.aclose()
+            return Response(status_code=499)
+        first = waited.result()
     except BaseException:
         await events.aclose()
         raise
@@ -226,6 +233,21 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> asyncio.Future[T] | None:
+    """Runs `work` until it ends (its future, done) or the client leaves first (None; `work` is
+    cancelled, which aborts the requests of a generator it was reading)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return None if task.cancelled() else task
+
+
 async def _collect_unless_disconnected(request: Request, events: ChoiceEvents,
                                        num_choices: int) -> list[ChoiceOutput] | None:
     """Every choice's full output, or None when the client left first (its requests are aborted)."""
@@ -236,16 +258,8 @@ async def _collect_unless_disconnected(request: Request, events: ChoiceEvents,
             async for index, event in events:
                 outputs[index].add(event)
 
-    collector = asyncio.create_task(collect())
-    watcher = asyncio.create_task(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not collector.done():
-            collector.cancel()
-        await asyncio.gather(collector, watcher, return_exceptions=True)
-    if collector.cancelled():
+    collector = await _unless_disconnected(request, collect())
+    if collector is None:
         return None
     collector.result()  # raises the choice's APIError
     return outputs

@@ -6,18 +6,74 @@ refused with 400); request_mapping.py turns a validated body into the workers' p
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import functools
+import re
+import typing
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Enough for every OpenAI limit we mirror; the model worker checks the rest against its vocab.
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
+# Token ids, counts and top_k travel as int32 on the wire (vLLM refuses what does not fit too).
+INT32_MAX = 2**31 - 1
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+# Beam scores divide by length ** length_penalty; far beyond transformers' usual 0.6-2 that
+# under- or overflows a float.
+MAX_ABS_LENGTH_PENALTY = 10.0
+# JSON's "\ud800" escapes parse to lone UTF-16 surrogates, which are not Unicode text: no
+# tokenizer or protobuf string takes them.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Lenient(BaseModel):
     # The OpenAI SDK sends fields we do not know (metadata, store, ...): ignore them.
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI documents its optional fields as "X or null", and clients forward None for
+        # what they leave unset: a null takes the field's default, as vLLM's Optional fields do.
+        if isinstance(data, dict) and None in data.values():
+            defaulted = _defaulted_fields(cls)
+            data = {key: value for key, value in data.items() if value is not None or key not in defaulted}
+        return data
+
+
+@functools.cache
+def _defaulted_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The JSON names of a model's optional fields that do not take None themselves (where a
+    field does, as completions' max_tokens, null keeps its own meaning)."""
+    return frozenset(field.alias or name for name, field in model.model_fields.items()
+                     if not field.is_required() and type(None) not in typing.get_args(field.annotation))
+
+
+def reject_lone_surrogates(data: Any) -> None:
+    """Raises ValueError naming the first string (key or value, at any depth) that holds a lone
+    surrogate."""
+    pending = [data]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                raise ValueError(f"{value[:40]!r} holds a lone UTF-16 surrogate, which is not valid Unicode text")
+        elif isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(v for v in value if v.__class__ is not int)
+
+
+class _TopLevel(_Lenient):
+    """A whole request body: its strings are checked once, before any field is read."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text_only(cls, data: Any) -> Any:
+        reject_lone_surrogates(data)
+        return data
 
 
 class StreamOptions(_Lenient):
@@ -67,11 +123,11 @@ class ResponseFormat(_Lenient):
         return self
 
 
-class _GenerationRequest(_Lenient):
+class _GenerationRequest(_TopLevel):
     """Parameters chat completions and completions share (OpenAI's, then vLLM/SGLang extensions)."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
@@ -87,20 +143,20 @@ class _GenerationRequest(_Lenient):
     response_format: ResponseFormat | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's sampling extensions.
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     typical_p: float = Field(default=1.0, gt=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    stop_token_ids: list[Int32] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int32] | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     use_beam_search: bool = False
-    length_penalty: float | None = None
+    length_penalty: float | None = Field(default=None, ge=-MAX_ABS_LENGTH_PENALTY, le=MAX_ABS_LENGTH_PENALTY)
     # Diverse beam search (transformers / OpenVINO): beams penalise tokens earlier beams chose.
     diversity_penalty: float = Field(default=0.0, ge=0.0)
     # Structured output: vLLM's guided_* fields and SGLang's regex / ebnf.
@@ -124,7 +180,7 @@ class _GenerationRequest(_Lenient):
         if any(w == "" for w in self.bad_words or []):
             raise ValueError("bad_words must not contain empty strings")
         for key, bias in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
+            if not (key.strip().isascii() and key.strip().isdigit() and int(key) <= INT32_MAX):
                 raise ValueError(f"logit_bias keys must be token ids, not {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], not {bias}")
@@ -140,6 +196,8 @@ class _GenerationRequest(_Lenient):
             raise ValueError(f"only one output constraint at a time, got {', '.join(constraints)}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available with stream=true")  # as in vLLM
         limit = self.completion_token_limit()
         if limit is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
@@ -162,7 +220,7 @@ class _GenerationRequest(_Lenient):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
@@ -182,8 +240,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class CompletionRequest(_GenerationRequest):
     # A string, a batch of strings, token ids, or a batch of token-id lists.
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[str] | list[Int32] | list[list[Int32]]
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -209,7 +267,7 @@ class CompletionRequest(_GenerationRequest):
         return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(_TopLevel):
     """vLLM's /tokenize body: either a prompt or chat messages."""
 
     model: str | None = None
@@ -226,9 +284,9 @@ class TokenizeRequest(_Lenient):
         return self
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(_TopLevel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int32]
 
 
 class TokenizeResponse(BaseModel):

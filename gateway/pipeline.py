@@ -225,57 +225,70 @@ class Pipeline:
             request = self._live.get(seq.request_id)
             if request is None:
                 continue  # aborted or ended by stop strings; the worker has not heard yet
-            if (seq.finish_reason == model_worker_pb2.FINISH_REASON_ABORT and 0 <= seq.index < len(request.states)
-                    and request.states[seq.index].finished):
-                # The answer to abort_outputs: this output stopped at a stop string, the others go on.
-                request.states[seq.index].model_finish_reason = seq.finish_reason
-                request.model_finished = all(s.model_finished for s in request.states)
-                continue
-            if seq.finish_reason in (model_worker_pb2.FINISH_REASON_ERROR, model_worker_pb2.FINISH_REASON_ABORT):
-                request.model_finished = True
-                if seq.finish_reason == model_worker_pb2.FINISH_REASON_ERROR:
-                    error = from_grpc_code(seq.error.code, seq.error.message)
-                else:
-                    error = workers_unavailable("the model worker aborted the request")
-                self._fail(request, error)
-                continue
-            if not 0 <= seq.index < len(request.states):
-                request.model_finished = True  # a worker this confused is not asked to abort
-                self._fail(request, APIError(502, f"the model worker sent output {seq.index} of a request "
-                                                  f"for {len(request.states)}"))
-                continue
-            if seq.prompt_logprobs:
-                prompt_logprobs = prompt_logprobs_of(seq)
-                for state in request.states:
-                    state.prompt_logprobs = prompt_logprobs
-            state = request.states[seq.index]
-            state.record_tokens(seq)
-            request.model_finished = all(s.model_finished for s in request.states)
-            if state.finished:
-                continue  # a stop string ended this output; the others go on
-            index = request.detok.index
-            renders = bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
-            if not state.detok_opened:
-                # Opened with its first tokens: a request the model worker refuses never
-                # costs the detok worker anything.
-                state.detok_opened = True
-                open_ = open_sequence(state.request_id, self.model_info.tokenizer, request.prompt_token_ids,
-                                      request.params)
-                if not renders:  # its ids go as TokenColumns rows, its plain text comes back in columns
-                    request.detok.assign_handle(open_)
-                opens.setdefault(index, []).append(open_)
-            if not renders and request.detok.has_handle(state.request_id):
-                rows.setdefault(index, []).append((state.request_id, seq.token_ids, state.model_finished))
-                continue
-            entry = detok_worker_pb2.SequenceTokenIds(sequence_id=state.request_id, token_ids=seq.token_ids,
-                                                      finished=state.model_finished)
-            if renders:
-                render_ids = logprob_ids(seq)
-                entry.render_token_ids = pack_int32(render_ids)
-                state.pending_render_ids.extend(render_ids)
-            tokens.setdefault(index, []).append(entry)
+            try:
+                self._take_sequence_tokens(request, seq, opens, tokens, rows)
+            except Exception as exc:
+                # One request that cannot be forwarded fails alone: the frame holds every
+                # other request's tokens too.
+                logger.exception("request %s: forwarding its tokens failed", request.request_id)
+                self._fail(request, APIError(500, f"the gateway could not forward this request's tokens: {exc!r}"))
         for index in tokens.keys() | opens.keys() | rows.keys():
             self.detoks[index].send(opens.get(index, ()), tokens.get(index, ()), rows.get(index, ()))
+
+    def _take_sequence_tokens(self, request: _LiveRequest, seq: model_worker_pb2.SequenceTokens,
+                              opens: dict[int, list[detok_worker_pb2.OpenSequence]],
+                              tokens: dict[int, list[detok_worker_pb2.SequenceTokenIds]],
+                              rows: dict[int, list[ColumnRow]]) -> None:
+        """One sequence of a TokenFrame: its request's state, and what goes to its detok replica."""
+        if (seq.finish_reason == model_worker_pb2.FINISH_REASON_ABORT and 0 <= seq.index < len(request.states)
+                and request.states[seq.index].finished):
+            # The answer to abort_outputs: this output stopped at a stop string, the others go on.
+            request.states[seq.index].model_finish_reason = seq.finish_reason
+            request.model_finished = all(s.model_finished for s in request.states)
+            return
+        if seq.finish_reason in (model_worker_pb2.FINISH_REASON_ERROR, model_worker_pb2.FINISH_REASON_ABORT):
+            request.model_finished = True
+            if seq.finish_reason == model_worker_pb2.FINISH_REASON_ERROR:
+                error = from_grpc_code(seq.error.code, seq.error.message)
+            else:
+                error = workers_unavailable("the model worker aborted the request")
+            self._fail(request, error)
+            return
+        if not 0 <= seq.index < len(request.states):
+            request.model_finished = True  # a worker this confused is not asked to abort
+            self._fail(request, APIError(502, f"the model worker sent output {seq.index} of a request "
+                                              f"for {len(request.states)}"))
+            return
+        if seq.prompt_logprobs:
+            prompt_logprobs = prompt_logprobs_of(seq)
+            for state in request.states:
+                state.prompt_logprobs = prompt_logprobs
+        state = request.states[seq.index]
+        state.record_tokens(seq)
+        request.model_finished = all(s.model_finished for s in request.states)
+        if state.finished:
+            return  # a stop string ended this output; the others go on
+        index = request.detok.index
+        renders = bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
+        if not state.detok_opened:
+            # Opened with its first tokens: a request the model worker refuses never
+            # costs the detok worker anything.
+            open_ = open_sequence(state.request_id, self.model_info.tokenizer, request.prompt_token_ids,
+                                  request.params)
+            state.detok_opened = True
+            if not renders:  # its ids go as TokenColumns rows, its plain text comes back in columns
+                request.detok.assign_handle(open_)
+            opens.setdefault(index, []).append(open_)
+        if not renders and request.detok.has_handle(state.request_id):
+            rows.setdefault(index, []).append((state.request_id, seq.token_ids, state.model_finished))
+            return
+        entry = detok_worker_pb2.SequenceTokenIds(sequence_id=state.request_id, token_ids=seq.token_ids,
+                                                  finished=state.model_finished)
+        if renders:
+            render_ids = logprob_ids(seq)
+            entry.render_token_ids = pack_int32(render_ids)
+            state.pending_render_ids.extend(render_ids)
+        tokens.setdefault(index, []).append(entry)
 
     def _on_text_delta_frame(self, index: int, frame: detok_worker_pb2.TextDeltaFrame) -> None:
         for delta in frame.deltas:

@@ -10,6 +10,7 @@ first, all at once (nothing streams, as with best_of > n).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import grpc
@@ -17,6 +18,10 @@ import grpc
 from model_worker.beam_search import BeamCandidates, BeamSearch
 from model_worker.engine import LLMEngine, RequestRejected, SequenceOutput
 from model_worker.sequence import FinishReason, SamplingParams
+
+# Scores divide by length ** length_penalty: far beyond transformers' usual 0.6-2 that under-
+# or overflows a float (the gateway refuses the same range).
+MAX_ABS_LENGTH_PENALTY = 10.0
 
 
 class BeamSearchRequest:
@@ -26,7 +31,6 @@ class BeamSearchRequest:
                  length_penalty: float, diversity_penalty: float) -> None:
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         beam_width = best_of or n
-        num_prompt = len(prompt_token_ids)
         if n < 1 or beam_width < n:
             raise RequestRejected(invalid, f"beam search needs 1 <= n <= best_of (the beam width), got n={n}, "
                                            f"best_of={best_of}")
@@ -38,12 +42,13 @@ class BeamSearchRequest:
         if sampling.temperature != 0.0 or sampling.top_k > 0 or sampling.top_p < 1.0:
             raise RequestRejected(invalid, "beam search is deterministic: temperature must be 0 and top_k/top_p "
                                            "unset")
-        if diversity_penalty < 0.0 or diversity_penalty != diversity_penalty:
-            raise RequestRejected(invalid, f"diversity_penalty must be >= 0, not {diversity_penalty}")
-        if length_penalty != length_penalty:
-            raise RequestRejected(invalid, "length_penalty must be a number")
-        if num_prompt:  # an empty prompt is refused by the first round's add_request
-            max_tokens = engine.output_budget(num_prompt, max_tokens)
+        if not 0.0 <= diversity_penalty < math.inf:  # NaN too
+            raise RequestRejected(invalid, f"diversity_penalty must be finite and >= 0, not {diversity_penalty}")
+        if not abs(length_penalty) <= MAX_ABS_LENGTH_PENALTY:  # NaN too
+            raise RequestRejected(invalid, f"length_penalty must be in [-{MAX_ABS_LENGTH_PENALTY:g}, "
+                                           f"{MAX_ABS_LENGTH_PENALTY:g}], not {length_penalty}")
+        # The user's own settings, checked as any request's are (its rounds carry their own).
+        max_tokens = engine.validate_request(prompt_token_ids, sampling, max_tokens, stop_token_ids)
         stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else engine.eos_token_ids)
         self.engine = engine
         self.new_seq_id = new_seq_id

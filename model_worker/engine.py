@@ -101,15 +101,13 @@ class LLMEngine:
                                            f"prompt, {max_tokens} for the output)")
         return max_tokens or self.max_model_len - num_prompt
 
-    def add_request(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingParams, max_tokens: int,
-                    stop_token_ids: list[int], ignore_eos: bool, n: int = 1, best_of: int = 0,
-                    grammar: CompiledGrammar | None = None) -> Sequence:
-        """Validates and queues a request (seq_id: the caller's request id) with n outputs from
-        best_of samples (0: n); returns its first sample. Raises RequestRejected with a clear message."""
+    def validate_request(self, prompt_token_ids: list[int], sampling: SamplingParams, max_tokens: int,
+                         stop_token_ids: list[int]) -> int:
+        """A request's output budget (max_tokens within the context); raises RequestRejected
+        (INVALID_ARGUMENT) for an empty prompt, ids outside the vocabulary or bad sampling settings."""
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         vocab = self.runner.vocab_size
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
+        if not prompt_token_ids:
             raise RequestRejected(invalid, "prompt_token_ids is empty")
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -117,10 +115,19 @@ class LLMEngine:
         bad_stop = [t for t in stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise RequestRejected(invalid, f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab})")
-        max_tokens = self.output_budget(num_prompt, max_tokens)
+        max_tokens = self.output_budget(len(prompt_token_ids), max_tokens)
         problem = validate_sampling_params(sampling, vocab, max_tokens)
         if problem is not None:
             raise RequestRejected(invalid, problem)
+        return max_tokens
+
+    def add_request(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingParams, max_tokens: int,
+                    stop_token_ids: list[int], ignore_eos: bool, n: int = 1, best_of: int = 0,
+                    grammar: CompiledGrammar | None = None) -> Sequence:
+        """Validates and queues a request (seq_id: the caller's request id) with n outputs from
+        best_of samples (0: n); returns its first sample. Raises RequestRejected with a clear message."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        max_tokens = self.validate_request(prompt_token_ids, sampling, max_tokens, stop_token_ids)
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=self._unseeded_keys.getrandbits(64))
         if len(self.scheduler.waiting) >= self.max_waiting_requests:

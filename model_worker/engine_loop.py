@@ -389,7 +389,10 @@ class EngineLoop:
         outbox, request_id = self._owners[request_seq_id]
         try:
             outputs = beam_request.on_output(out)
-        except RequestRejected as exc:
+        except Exception as exc:  # RequestRejected, or a bug in this search: the step's others go on
+            if not isinstance(exc, RequestRejected):
+                logger.exception("beam search %s failed", request_id)
+                exc = RequestRejected(grpc.StatusCode.INTERNAL, f"beam search failed: {exc!r}")
             for round_seq_id in beam_request.in_flight:
                 self._beam_of_round.pop(round_seq_id, None)
             beam_request.abort()

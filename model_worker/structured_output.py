@@ -187,7 +187,7 @@ class GrammarCompiler:
             grammar = llguidance_grammar(constraint)
         except GrammarError:
             raise
-        except ValueError as exc:  # llguidance's own refusals of a malformed input
+        except (ValueError, RecursionError) as exc:  # llguidance's own refusals; JSON nested too deep
             raise GrammarError(f"cannot compile {constraint.kind}: {exc}") from None
         # llguidance reports bad grammars (unsupported JSON Schema keywords, bad regexes,
         # unsatisfiable bounds) as a matcher in the error state, never as an exception.

@@ -137,6 +137,25 @@ def test_a_first_round_the_queue_cannot_take_whole_leaves_nothing_behind(tiny_mo
     assert not engine.has_work() and not engine.groups
 
 
+def test_beam_search_checks_the_users_settings_as_any_request_does(tiny_model_dir):
+    # Its rounds carry their own greedy settings, so the user's are checked up front.
+    engine = make_engine(tiny_model_dir)
+    ids = iter(range(1000, 10**6))
+    for prompt, sampling, stop_ids, diversity, message in [
+        ([1, 2, 3], SamplingParams(), [10**9], 0.0, "stop token id"),
+        ([1, 2, 3], SamplingParams(min_tokens=-7), [], 0.0, "min_tokens"),
+        ([1, 2, 3], SamplingParams(top_logprobs=-1), [], 0.0, "top_logprobs"),
+        ([], SamplingParams(), [], 0.0, "empty"),
+        ([1, 2, 3], SamplingParams(), [], math.inf, "diversity_penalty"),
+    ]:
+        with pytest.raises(RequestRejected, match=message):
+            BeamSearchRequest(engine, lambda: next(ids), 7, prompt, sampling, 4, stop_ids, False, 1, 2, 1.0,
+                              diversity).start()
+    with pytest.raises(RequestRejected, match="length_penalty"):
+        run_beam(engine, [1, 2, 3], max_tokens=4, n=1, best_of=2, length_penalty=-2000.0)
+    assert not engine.has_work()
+
+
 @pytest.mark.slow
 def test_beam_search_over_grpc_sends_n_ranked_outputs_at_the_end(stub):  # noqa: F811
     request = add("beam", [1, 2, 3, 4, 5], 5, n=2, best_of=3, use_beam_search=True, logprobs=True, top_logprobs=2)

@@ -6,14 +6,18 @@ in-process TestClient: validation answers before any worker is needed.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
+from fastapi import Request
 from fastapi.testclient import TestClient
 
-from gateway.app import create_app
+from gateway.app import _respond, create_app
 from gateway.config import Config
 from gateway.errors import APIError, error_sse_event, from_grpc_code
+from gateway.request_mapping import GenerationParams
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +52,80 @@ def test_unsupported_parameter_message(client: TestClient) -> None:
     response = client.post("/v1/completions", json={"model": "m", "prompt": "x", "suffix": "y"})
     assert response.status_code == 400
     assert "suffix (fill-in-the-middle) is not supported" in response.json()["error"]["message"]
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    # JSON escapes of lone UTF-16 surrogates: no tokenizer or protobuf string takes them, and one
+    # in a stop string used to fail the whole TokenFrame it rode in (every concurrent request's).
+    ("/v1/completions", '{"model": "m", "prompt": "x", "stop": ["a", "\\udc00"]}', None),
+    ("/v1/completions", '{"model": "m", "prompt": "\\ud800"}', None),
+    ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "\\ud83d"}]}', None),
+    ("/tokenize", '{"prompt": "\\ud800"}', None),
+    # Numbers the int32 wire fields cannot hold, and a digit that int() refuses.
+    ("/v1/completions", '{"model": "m", "prompt": "x", "top_k": 1099511627776}', "top_k"),
+    ("/v1/completions", '{"model": "m", "prompt": "x", "max_tokens": 1180591620717411303424}', "max_tokens"),
+    ("/v1/completions", '{"model": "m", "prompt": [99999999999]}', "prompt"),
+    ("/v1/completions", '{"model": "m", "prompt": "x", "allowed_token_ids": [99999999999]}', "allowed_token_ids"),
+    ("/v1/completions", '{"model": "m", "prompt": "x", "logit_bias": {"99999999999": 1}}', None),
+    ("/v1/completions", '{"model": "m", "prompt": "x", "logit_bias": {"\\u00b2": 1}}', None),
+    ("/detokenize", '{"tokens": [99999999999]}', "tokens"),
+    # Beam scores divide by length ** length_penalty, which a huge one under- or overflows.
+    ("/v1/completions", '{"model": "m", "prompt": "x", "use_beam_search": true, "best_of": 2, "length_penalty": -2000}',
+     "length_penalty"),
+    # vLLM's rule: prompt logprobs come only in a whole response.
+    ("/v1/completions", '{"model": "m", "prompt": "x", "stream": true, "prompt_logprobs": 1}', None),
+])
+def test_bad_text_and_out_of_range_numbers_are_400(client: TestClient, path: str, body: str, param: str | None) -> None:
+    response = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = assert_openai_error(response.json())
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_null_takes_the_default_where_a_field_is_not_nullable() -> None:
+    from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
+
+    nulls = dict.fromkeys(("n", "stream", "presence_penalty", "frequency_penalty", "echo", "min_p", "ignore_eos"))
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": None, **nulls})
+    assert (completion.n, completion.stream, completion.presence_penalty, completion.echo, completion.min_p) == (
+        1, False, 0.0, False, 0.0)
+    assert completion.max_tokens is None  # nullable itself: null keeps meaning "up to the context"
+    chat = ChatCompletionRequest.model_validate({**CHAT, "logprobs": None, "stream_options": None, "n": None})
+    assert chat.logprobs is False and chat.n == 1 and chat.stream_options is None
+
+
+async def test_a_stream_still_waiting_for_its_first_token_ends_when_the_client_leaves() -> None:
+    # Until the first token the response has not started, so nothing else notices the client
+    # leave: a request queued behind busy seats used to stay queued and then run for nobody.
+    generator_closed = asyncio.Event()
+
+    class NoFirstToken:
+        model_info = SimpleNamespace(max_model_len=64)
+
+        async def generate(self, prompt_ids, params):
+            try:
+                await asyncio.Event().wait()  # queued for good
+                yield
+            finally:
+                generator_closed.set()  # the pipeline aborts the request here
+
+    messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "app": create_app(Config()), "method": "POST", "path": "/v1/completions",
+                       "headers": []}, receive)
+    response = await asyncio.wait_for(
+        _respond(request, NoFirstToken(), [[1, 2]], GenerationParams(max_tokens=4), True, None, "prompt"), 5)
+    assert response.status_code == 499 and generator_closed.is_set()
 
 
 def test_request_id_is_echoed_or_made(client: TestClient) -> None:

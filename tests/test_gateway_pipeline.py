@@ -114,6 +114,31 @@ async def test_an_index_beyond_n_is_a_worker_fault(pipeline: Pipeline) -> None:
         await asyncio.wait_for(pending, 5)
 
 
+async def test_a_request_that_cannot_be_forwarded_fails_alone(pipeline: Pipeline) -> None:
+    # A stop string protobuf cannot encode (the gateway's validation refuses these; this is
+    # the line behind it): its OpenSequence fails, the frame's other request goes on.
+    bad = pipeline.generate([1], GenerationParams(stop=("\ud800",)))
+    good = pipeline.generate([2], GenerationParams())
+    bad_first, good_first = asyncio.create_task(anext(bad)), asyncio.create_task(anext(good))
+    await asyncio.sleep(0)
+    bad_add, good_add = pipeline.model._take_frame().adds
+    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[
+        tokens(bad_add.request_id, 0, [4]), tokens(good_add.request_id, 0, [5])]))
+    with pytest.raises(APIError, match="could not forward") as info:
+        await asyncio.wait_for(bad_first, 5)
+    assert info.value.status == 500
+    (abort,) = pipeline.model._take_frame().aborts
+    assert abort.request_id == bad_add.request_id
+    (opened,) = pipeline.detoks[0]._take_frame().opens
+    assert opened.sequence_id == f"{good_add.request_id}-0"
+    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(opened.sequence_id, "x", True)]))
+    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(good_add.request_id, 0, [], LENGTH)]))
+    _, event = await asyncio.wait_for(good_first, 5)
+    assert event.text == "x"
+    await bad.aclose()
+    await good.aclose()
+
+
 async def test_logprob_tokens_are_rendered_by_the_detok_worker_as_they_stream(pipeline: Pipeline) -> None:
     async def no_rpc(ids: object) -> detok_worker_pb2.RenderedTokens:
         raise AssertionError("every id came rendered with the stream")

@@ -203,6 +203,8 @@ def test_sampled_gbnf_outputs_are_in_the_language(compiler, smollm2, punctuation
     (Constraint("grammar", "  "), "grammar is empty"),
     (Constraint("choice", "[]"), "at least one"),
     (Constraint("choice", '["a", ""]'), "non-empty strings"),
+    (Constraint("json_schema", "[" * 50000 + "]" * 50000), "recursion"),
+    (Constraint("choice", "[" * 50000 + "]" * 50000), "recursion"),
 ])
 def test_uncompilable_constraints_raise_clear_errors(compiler, constraint, message):
     with pytest.raises(GrammarError, match=re.escape(message)):
