@@ -39,7 +39,7 @@ class BeamSearchRequest:
                                            f"not {beam_width}")
         # Beam search ranks by the model's own logprobs; a temperature or filter would change
         # nothing it could honour, so say so instead of ignoring it (vLLM did the same).
-        if sampling.temperature != 0.0 or sampling.top_k > 0 or sampling.top_p < 1.0:
+        if not sampling.greedy or sampling.top_k > 0 or sampling.top_p < 1.0:
             raise RequestRejected(invalid, "beam search is deterministic: temperature must be 0 and top_k/top_p "
                                            "unset")
         if not 0.0 <= diversity_penalty < math.inf:  # NaN too

@@ -31,6 +31,10 @@ class LogprobsMode(enum.IntEnum):
     PROCESSED = 1  # log-softmax of the logits the token was drawn from
 
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling settings, already resolved to their effective values (the proto's
@@ -73,7 +77,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below vLLM's epsilon the logits / temperature division overflows float32 (or the
+        # temperature rounds to 0), so a "nearly greedy" request would not get the argmax.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def wants_chosen_logprob(self) -> bool:

@@ -317,6 +317,46 @@ def test_filters_after_top_k_sort_only_the_candidates_with_the_same_result():
         assert (~fast).sum(-1).min() >= 1
 
 
+def test_top_p_keeps_the_same_tied_token_whichever_path_the_batch_takes():
+    # Tokens 3 and 40 tie at the top; top_k=2 then top_p=0.5 keeps one of them. Alone, the row
+    # takes top_p's candidates-only path; beside a row without top_k, the full sort. Both keep
+    # the lowest id, as transformers does here and as argmax would.
+    logits = torch.full((64,), -5.0)
+    logits[3] = logits[40] = 2.0
+    other = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
+    for seed in range(4):
+        tied = SamplingParams(temperature=1.0, top_k=2, top_p=0.5, seed=seed)
+        alone = Sampler(64, CPU).sample(logits[None].clone(), [seq(0, tied)]).token_ids.tolist()
+        shared = Sampler(64, CPU).sample(torch.stack([logits, logits]), [seq(0, tied), seq(1, other)]).token_ids
+        assert alone == [3] and shared[0].item() == 3
+
+
+def test_a_row_without_a_penalty_window_beside_one_with_it_runs_past_the_history_width():
+    # Rows without repeat_penalty (or with penalty_last_n -1) have no window; their "leaving"
+    # position is one past their length, which once indexed past the history tensor.
+    torch.manual_seed(0)
+    windowed = seq(0, SamplingParams(temperature=0.7, repeat_penalty=1.1, seed=1), prompt=[1] * 8)
+    plain = seq(1, SamplingParams(temperature=0.7, seed=2), prompt=[2] * 62)
+    whole_context = seq(2, SamplingParams(temperature=0.7, repeat_penalty=1.1, penalty_last_n=-1,
+                                          dry_multiplier=0.8, seed=3), prompt=[1] * 62)
+    sampler = Sampler(100, CPU)
+    for _ in range(6):
+        seqs = [windowed, plain, whole_context]
+        for s, t in zip(seqs, sampler.sample(torch.randn(3, 100), seqs).token_ids.tolist(), strict=True):
+            s.output_token_ids.append(t)
+    assert all(len(s.output_token_ids) == 6 for s in seqs)
+
+
+def test_a_tiny_positive_temperature_is_greedy():
+    # logits / 1e-39 overflows float32 to inf for every positive logit (and 1e-46 rounds to 0).
+    logits = torch.tensor([[0.5, 3.0, -1.0, 0.0, 2.0]])
+    for temperature in (1e-6, 1e-39, 1e-46):
+        params = SamplingParams(temperature=temperature, seed=0)
+        assert params.greedy
+        assert Sampler(5, CPU).sample(logits.clone(), [seq(0, params)]).token_ids.tolist() == [1]
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 # ---------------------------------------------------------------- sampler output to the host
 
 

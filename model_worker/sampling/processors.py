@@ -44,14 +44,19 @@ def _num_candidates(logits: torch.Tensor) -> int | None:
 def top_p_removed(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """p [S, 1] in (0, 1], 1: off. Keeps the most likely tokens until their mass reaches p (the
     first is always kept), computed as transformers' TopPLogitsWarper does so the kept sets match
-    bit for bit: ascending sort, drop while the cumulative mass is <= 1 - p (1 - p rounded from
+    bit for bit (but for exact ties, which transformers' unstable sort orders as it happens to): ascending sort, drop while the cumulative mass is <= 1 - p (1 - p rounded from
     float64, as a Python scalar would be)."""
     count = _num_candidates(logits)
+    # Both paths order ties the same way, by descending token id, so that of tied tokens at the
+    # cut the lowest id stays (as argmax picks it) and a row's kept set does not depend on which
+    # path the rest of the batch chose.
     if count is None:
-        sorted_logits, order = logits.sort(dim=-1)  # ascending: [S, V]
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [S, V]
     else:
-        sorted_logits, order = logits.topk(count, dim=-1)  # [S, n], descending
-        sorted_logits, order = sorted_logits.flip(-1), order.flip(-1)
+        order = logits.topk(count, dim=-1).indices.sort(dim=-1).values  # [S, n], ascending ids
+        sorted_logits, by_value = logits.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+        order = order.gather(-1, by_value)
+    sorted_logits, order = sorted_logits.flip(-1), order.flip(-1)  # ascending values
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cumulative <= (1.0 - p.double()).to(logits.dtype)
     remove_sorted[:, -1] = False

@@ -85,7 +85,8 @@ class TokenState:
                 # The window [L-N, L) becomes [L-N+1, L+1): position L-N leaves.
                 leave = self.num_tokens - self.window_n  # [S]
                 leaving = (self.window_n > 0) & (leave >= 0)
-                leave_ids = self.history.gather(1, leave.clamp(min=0)[:, None])
+                # Rows without a window (window_n -1) have leave = L + 1, past what history holds.
+                leave_ids = self.history.gather(1, torch.where(leaving, leave, 0)[:, None])
                 self.window_counts.scatter_add_(1, leave_ids.clamp(min=0), -leaving[:, None].to(torch.int32))
         if self.history is not None:
             if self.max_num_tokens + 1 > self.history.shape[1]:
