@@ -12,20 +12,41 @@ import logging
 from detok_worker.config import Config
 from detok_worker.servicer import SERVICE_FULL_NAME, DetokenizerServicer
 from tokenwire.config_cli import parse_config
-from tokenwire.grpc_server import add_health_and_reflection, mark_serving, new_server, serve_until_signal
+from tokenwire.grpc_server import (
+    add_health_and_reflection,
+    mark_serving,
+    new_server,
+    serve_until_signal,
+    wait_until,
+)
 from tokenwire.sched_slice import use_serving_slice
 from tokenwire.v1 import detok_worker_pb2_grpc
 
 logger = logging.getLogger("detok_worker")
 
 
+# A drain ends once no sequence has been open for this long, not at the first idle instant: a
+# gateway that has not yet seen NOT_SERVING may still be opening one here.
+DRAIN_QUIET_S = 0.25
+
+
 async def serve(config: Config) -> None:
     server = new_server()
-    detok_worker_pb2_grpc.add_DetokenizerServicer_to_server(DetokenizerServicer(), server)
+    servicer = DetokenizerServicer()
+    detok_worker_pb2_grpc.add_DetokenizerServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, [SERVICE_FULL_NAME])
     await mark_serving(health_servicer, [SERVICE_FULL_NAME])
     logger.info("detok worker serving %s on %s", SERVICE_FULL_NAME, config.address)
-    await serve_until_signal(server, config.address, config.drain_grace_s, config.tls, health_servicer)
+
+    async def drained() -> None:
+        while True:
+            await wait_until(servicer.is_drained)
+            await asyncio.sleep(DRAIN_QUIET_S)
+            if servicer.is_drained():
+                return
+
+    await serve_until_signal(server, config.address, config.drain_grace_s, config.tls, health_servicer,
+                             drained=drained)
 
 
 def main() -> None:

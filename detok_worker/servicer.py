@@ -26,6 +26,12 @@ SERVICE_FULL_NAME = detok_worker_pb2.DESCRIPTOR.services_by_name["Detokenizer"].
 class DetokenizerServicer(detok_worker_pb2_grpc.DetokenizerServicer):
     def __init__(self, open_decoding: OpenDecoding = decoding_with_tables) -> None:
         self._open_decoding = open_decoding
+        self._streams: set[DetokenizeStream] = set()
+
+    def is_drained(self) -> bool:
+        """No open sequence on any stream: a draining worker may stop (the gateway's streams
+        stay open for good, so their end cannot say it)."""
+        return not any(stream.live_sequence_ids for stream in self._streams)
 
     async def Detokenize(
         self,
@@ -34,15 +40,19 @@ class DetokenizerServicer(detok_worker_pb2_grpc.DetokenizerServicer):
     ) -> AsyncIterator[detok_worker_pb2.TextDeltaFrame]:
         stream = DetokenizeStream(self._open_decoding)
         num_frames = 0
-        async for frame in request_iterator:
-            try:
-                reply = stream.apply(frame)
-            except BadFrameError as exc:
-                logger.warning("aborting Detokenize stream after %d frames: %s", num_frames, exc)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                return  # abort raises; this only makes the end of the stream explicit
-            num_frames += 1
-            yield reply
+        self._streams.add(stream)
+        try:
+            async for frame in request_iterator:
+                try:
+                    reply = stream.apply(frame)
+                except BadFrameError as exc:
+                    logger.warning("aborting Detokenize stream after %d frames: %s", num_frames, exc)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    return  # abort raises; this only makes the end of the stream explicit
+                num_frames += 1
+                yield reply
+        finally:
+            self._streams.discard(stream)
         logger.debug("Detokenize stream ended after %d frames, %d sequences still open",
                      num_frames, len(stream.live_sequence_ids))
 

@@ -96,10 +96,21 @@ class Pipeline:
         # in-gateway fallback with the same convention.
         self.renderer = DetokRenderer(self._render_tokens)
         # All replicas at once: each first loads the tokenizer (its warm-up, DetokClient._warm).
+        # Serving starts once one is up, as with model worker replicas: the others (down, or
+        # slower to warm) keep connecting in the background and /ready lists them meanwhile.
         for detok in self.detoks:
             detok.tokenizer = self.model_info.tokenizer
-        timeout_s = max(deadline - time.monotonic(), 1.0)
-        await asyncio.gather(*(detok.stream.start(timeout_s) for detok in self.detoks))
+            detok.stream.launch()
+        waits = [asyncio.create_task(detok.stream.wait_connected()) for detok in self.detoks]
+        try:
+            await asyncio.wait(waits, timeout=max(deadline - time.monotonic(), 1.0),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        if not any(detok.stream.connected for detok in self.detoks):
+            raise TimeoutError(f"no detok worker stream within {self.config.startup_timeout_s:.0f}s: "
+                               f"{', '.join(self.config.detok_workers)}")
 
     async def close(self) -> None:
         for request in list(self._live.values()):
@@ -151,7 +162,7 @@ class Pipeline:
         finally:
             if self._live.get(request_id) is request:
                 self._end(request)
-            detok.num_open_sequences -= len(states)
+            request.detok.num_open_sequences -= len(states)  # it may have moved (_on_detok_lost)
             request.model.num_sequences -= len(states)
 
     async def _render_tokens(self, token_ids: Sequence[int]) -> detok_worker_pb2.RenderedTokens:
@@ -268,6 +279,10 @@ class Pipeline:
         request.model_finished = all(s.model_finished for s in request.states)
         if state.finished:
             return  # a stop string ended this output; the others go on
+        if not request.detok.connected:
+            # Its replica started draining (or went) while the request waited for its first
+            # token: its sequences open on another one instead.
+            self._move_unopened(request)
         index = request.detok.index
         renders = bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
         if not state.detok_opened:
@@ -361,12 +376,28 @@ class Pipeline:
             request.model_finished = True  # the lost stream took the request with it
             self._fail(request, workers_unavailable(f"lost the model worker stream ({replica.address}): {error}"))
 
+    def _move_unopened(self, request: _LiveRequest) -> bool:
+        """Moves a request still waiting for its first token (no detok sequence opened yet) to
+        the least loaded other replica that takes new sequences; False if it cannot move."""
+        if any(state.detok_opened for state in request.states):
+            return False
+        others = [d for d in self.detoks if d.connected and d is not request.detok]
+        if not others:
+            return False
+        moved_to = min(others, key=lambda d: d.num_open_sequences)
+        request.detok.num_open_sequences -= len(request.states)
+        moved_to.num_open_sequences += len(request.states)
+        request.detok = moved_to
+        return True
+
     def _on_detok_lost(self, index: int, error: Exception) -> None:
         if self.metrics is not None:
             self.metrics.detok_rpc_errors.labels(worker=self.detoks[index].address, rpc="Detokenize").inc()
         for request in list(self._live.values()):
             if request.detok.index != index:
                 continue
+            if self._move_unopened(request):
+                continue  # nothing of it was on the lost stream
             for state in request.states:
                 state.finished = True  # nothing to close on a stream that is gone
             self._fail(request, workers_unavailable(f"lost the detok worker stream: {error}"))

@@ -6,7 +6,9 @@ stream the way the gateway does, and kills the process at the end.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,31 +37,46 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def detok_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def start_detok_worker(log_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """A detok worker process on a free port, SERVING; its address."""
     port = free_port()
     address = f"127.0.0.1:{port}"
-    log_path = tmp_path_factory.mktemp("detok") / "detok.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "detok_worker", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "detok_worker", "--host", "127.0.0.1", "--port", str(port), *flags],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         )
     try:
-        deadline = time.monotonic() + 30
-        with grpc.insecure_channel(address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while True:
-                assert process.poll() is None, f"detok worker exited:\n{log_path.read_text()}"
-                try:
-                    status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1).status
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                assert time.monotonic() < deadline, f"detok worker not SERVING:\n{log_path.read_text()}"
-                time.sleep(0.1)
+        wait_serving(process, address, log_path)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process, address
+
+
+def wait_serving(process: subprocess.Popen, address: str, log_path: Path) -> None:
+    deadline = time.monotonic() + 30
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            assert process.poll() is None, f"detok worker exited:\n{log_path.read_text()}"
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, f"detok worker not SERVING:\n{log_path.read_text()}"
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def detok_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log_path = tmp_path_factory.mktemp("detok") / "detok.log"
+    process, address = start_detok_worker(log_path)
+    try:
         assert address in log_path.read_text(), "the listening address is logged"
         yield address
     finally:
@@ -156,3 +173,31 @@ async def test_render_tokens_rpc(detok_address: str, smollm2_dir: Path, tmp_path
             await stub.RenderTokens(pb.RenderTokensRequest(
                 tokenizer=common_pb2.TokenizerIdentity(path=str(tmp_path)), token_ids=pack_int32([1])))
         assert failure.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_sigterm_waits_for_open_sequences_then_exits_without_the_whole_grace(
+        smollm2_dir: Path, tmp_path: Path) -> None:
+    # The gateway's stream stays open for good, so only "no open sequence" can end the drain
+    # early (the grace is 30 s here; it used to run to its end every time).
+    process, address = start_detok_worker(tmp_path / "detok.log", "--drain-grace-s", "30")
+    identity = tokenizer_identity(smollm2_dir)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = detok_worker_pb2_grpc.DetokenizerStub(channel).Detokenize()
+            await call.write(pb.DetokenizeFrame(
+                opens=[pb.OpenSequence(sequence_id="open", tokenizer=identity)],
+                tokens=[pb.SequenceTokenIds(sequence_id="open", token_ids=pack_int32([1, 2]))]))
+            await call.read()
+            process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(1.0)
+            assert process.poll() is None, "it left with a sequence open"
+            signalled = time.monotonic()
+            await call.write(pb.DetokenizeFrame(
+                tokens=[pb.SequenceTokenIds(sequence_id="open", token_ids=pack_int32([3]), finished=True)]))
+            assert (await call.read()).deltas[0].finished
+            process.wait(timeout=10)
+            assert time.monotonic() - signalled < 5 and process.returncode == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

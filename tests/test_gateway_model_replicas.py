@@ -144,6 +144,7 @@ class Rig:
     app: object
     replicas: dict[str, Replica]
     detok_servers: list[grpc.aio.Server] = field(default_factory=list)
+    detok_down: list[str] = field(default_factory=list)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -185,9 +186,10 @@ def model_info(tokenizer_dir: Path, **changes) -> model_worker_pb2.ModelInfo:
 @asynccontextmanager
 async def rig(tokenizer_dir: Path, infos: dict[str, model_worker_pb2.ModelInfo] | None = None,
               capacities: dict[str, int] | None = None, num_detok: int = 1,
-              dns: list[str] | None = None) -> AsyncIterator[Rig]:
+              dns: list[str] | None = None, num_detok_down: int = 0) -> AsyncIterator[Rig]:
     """Replicas A and B, detok replicas and the gateway; with `dns`, the gateway is given DNS_ENTRY
-    instead of the two addresses, and `dns` (what the name resolves to) starts as [A]."""
+    instead of the two addresses, and `dns` (what the name resolves to) starts as [A]. The gateway
+    also lists `num_detok_down` detok addresses that nothing serves (Rig.detok_down)."""
     infos = infos or {}
     capacities = capacities or {}
     replicas = {name: Replica(name, f"127.0.0.1:{free_port()}",
@@ -205,8 +207,9 @@ async def rig(tokenizer_dir: Path, infos: dict[str, model_worker_pb2.ModelInfo] 
     if dns is not None:
         dns[:] = [replicas["A"].address]
         model_workers = [DNS_ENTRY]
+    detok_down = [f"127.0.0.1:{free_port()}" for _ in range(num_detok_down)]
     config = Config(port=port, model_workers=model_workers, model_worker_dns_refresh_s=0.05,
-                    detok_workers=detok_addresses, startup_timeout_s=20, log_level="warning")
+                    detok_workers=detok_addresses + detok_down, startup_timeout_s=20, log_level="warning")
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.create_task(server.serve())
@@ -216,7 +219,7 @@ async def rig(tokenizer_dir: Path, infos: dict[str, model_worker_pb2.ModelInfo] 
                 serving.result()
                 raise AssertionError("the gateway exited at start")
             await asyncio.sleep(0.02)
-        yield Rig(f"http://127.0.0.1:{port}", app, replicas, detok_servers)
+        yield Rig(f"http://127.0.0.1:{port}", app, replicas, detok_servers, detok_down)
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 30)
@@ -394,6 +397,23 @@ async def test_ready_needs_one_model_replica_and_one_detok_replica(tiny_model_di
         ready = await client.get(f"{r.url}/ready")
         assert ready.status_code == 200 and ready.json()["model_workers"] == [b.address]
 
+
+
+async def test_the_gateway_serves_while_a_listed_detok_replica_is_down(tiny_model_dir: Path) -> None:
+    # It used to wait for every listed detok replica and exit at the startup timeout.
+    async with rig(tiny_model_dir, num_detok_down=1) as r, httpx.AsyncClient(timeout=30) as client:
+        (down,) = r.detok_down
+        ready = await client.get(f"{r.url}/ready")
+        assert ready.status_code == 200 and ready.json()["down"] == [f"detok worker {down} (stream down)"]
+        assert (await r.stream(client, 5)).complete
+        late = await start_server(down, lambda s: detok_worker_pb2_grpc.add_DetokenizerServicer_to_server(
+            DetokenizerServicer(), s))
+        try:
+            await wait_for(lambda: r.pipeline.detoks[1].connected, RECOVER_LIMIT_S)
+            ready = await client.get(f"{r.url}/ready")
+            assert ready.status_code == 200 and len(ready.json()["detok_workers"]) == 2
+        finally:
+            await late.stop(None)
 
 
 async def test_a_dns_name_is_one_replica_per_address_as_pods_come_and_go(
