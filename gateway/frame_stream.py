@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -142,3 +142,15 @@ class FrameStream(Generic[OutFrame, InFrame]):
             except Exception:
                 # A bug in one frame's dispatch must not end every other request of the stream.
                 logger.exception("%s: dispatching a frame failed", self.name)
+
+
+async def wait_any_connected(streams: Sequence[FrameStream[Any, Any]], timeout_s: float) -> bool:
+    """Waits (at most timeout_s) until one of the launched streams is connected; whether one is."""
+    waits = [asyncio.create_task(stream.wait_connected()) for stream in streams]
+    if waits:
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+    return any(stream.connected for stream in streams)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Collection
 
 from gateway.config import Config, dns_name
+from gateway.frame_stream import wait_any_connected
 from gateway.model_worker_client import ModelWorkerClient
 from tokenwire.grpc_server import CHANNEL_OPTIONS
 from tokenwire.grpc_tls import aio_channel
@@ -98,14 +99,7 @@ class ModelWorkerPool:
         self._started = True
         for replica in self.replicas:
             self._launch(replica)
-        waits = [asyncio.create_task(r.stream.wait_connected()) for r in self.replicas]
-        try:
-            await asyncio.wait(waits, timeout=max(deadline - time.monotonic(), 1.0),
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
-        if not any(r.stream.connected for r in self.replicas):
+        if not await wait_any_connected([r.stream for r in self.replicas], max(deadline - time.monotonic(), 1.0)):
             refused = [f"{r.address} ({r.refusal})" for r in self.replicas if r.refusal]
             raise TimeoutError(f"no model worker stream within {timeout_s:.0f}s"
                                + (f"; refused: {'; '.join(refused)}" if refused else ""))

@@ -20,6 +20,7 @@ import grpc
 from gateway.config import Config
 from gateway.detok_client import ColumnRow, DetokClient
 from gateway.errors import RETRY_AFTER_S, APIError, from_grpc_code, workers_unavailable
+from gateway.frame_stream import wait_any_connected
 from gateway.metrics import GatewayMetrics
 from gateway.model_worker_client import ModelWorkerClient
 from gateway.model_worker_pool import ModelWorkerPool
@@ -101,14 +102,7 @@ class Pipeline:
         for detok in self.detoks:
             detok.tokenizer = self.model_info.tokenizer
             detok.stream.launch()
-        waits = [asyncio.create_task(detok.stream.wait_connected()) for detok in self.detoks]
-        try:
-            await asyncio.wait(waits, timeout=max(deadline - time.monotonic(), 1.0),
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
-        if not any(detok.stream.connected for detok in self.detoks):
+        if not await wait_any_connected([d.stream for d in self.detoks], max(deadline - time.monotonic(), 1.0)):
             raise TimeoutError(f"no detok worker stream within {self.config.startup_timeout_s:.0f}s: "
                                f"{', '.join(self.config.detok_workers)}")
 

@@ -38,6 +38,19 @@ async def pipeline():
     await p.close()
 
 
+@pytest.fixture
+async def two_detoks():
+    """A pipeline with two detok replicas (and its one model worker replica as .model)."""
+    config = Config(model_workers=["127.0.0.1:9"], detok_workers=["127.0.0.1:9", "127.0.0.1:10"])
+    p = Pipeline(config, [grpc.aio.insecure_channel(a) for a in config.detok_workers])
+    p.model_info = model_worker_pb2.ModelInfo(tokenizer=common_pb2.TokenizerIdentity(path="/t", sha256="00"))
+    p.model = p.model_workers.replicas[0]
+    for stream in (p.model.stream, *(d.stream for d in p.detoks)):
+        stream._connected.set()
+    yield p
+    await p.close()
+
+
 def tokens(request_id: str, index: int, ids: list[int], finish: int = 0) -> model_worker_pb2.SequenceTokens:
     return model_worker_pb2.SequenceTokens(request_id=request_id, index=index, token_ids=pack_int32(ids),
                                            finish_reason=finish, num_output_tokens=len(ids))
@@ -139,69 +152,53 @@ async def test_a_request_that_cannot_be_forwarded_fails_alone(pipeline: Pipeline
     await good.aclose()
 
 
-async def test_losing_a_detok_replica_moves_requests_that_sent_it_nothing() -> None:
-    config = Config(model_workers=["127.0.0.1:9"], detok_workers=["127.0.0.1:9", "127.0.0.1:10"])
-    p = Pipeline(config, [grpc.aio.insecure_channel(a) for a in config.detok_workers])
-    p.model_info = model_worker_pb2.ModelInfo(tokenizer=common_pb2.TokenizerIdentity(path="/t", sha256="00"))
-    model = p.model_workers.replicas[0]
-    for stream in (model.stream, *(d.stream for d in p.detoks)):
-        stream._connected.set()
-    try:
-        lost, kept = p.detoks
-        running, other, waiting = (p.generate([i], GenerationParams()) for i in (1, 2, 3))
-        firsts = [asyncio.create_task(anext(g)) for g in (running, other, waiting)]
-        await asyncio.sleep(0)
-        adds = model._take_frame().adds
-        assert [p._live[a.request_id].detok for a in adds] == [lost, kept, lost]  # least loaded first
-        p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[0].request_id, 0, [4])]))
-        lost.stream._connected.clear()
-        p._on_detok_lost(0, ConnectionError("gone"))
-        # The one with a sequence open there fails; the one still waiting for its first token moves.
-        with pytest.raises(APIError, match="lost the detok worker stream") as info:
-            await asyncio.wait_for(firsts[0], 5)
-        assert info.value.status == 503
-        assert p._live[adds[2].request_id].detok is kept and (lost.num_open_sequences, kept.num_open_sequences) == (
-            0, 2)
-        p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[2].request_id, 0, [5], LENGTH)]))
-        (opened,) = kept._take_frame().opens
-        assert opened.sequence_id == f"{adds[2].request_id}-0"
-        p._on_text_delta_frame(1, detok_worker_pb2.TextDeltaFrame(deltas=[text(opened.sequence_id, "y", True)]))
-        _, event = await asyncio.wait_for(firsts[2], 5)
-        assert event.text == "y" and event.finish_reason == "length"
-        firsts[1].cancel()
-        await asyncio.gather(firsts[1], return_exceptions=True)
-        for generator in (running, other, waiting):
-            await generator.aclose()
-        assert (lost.num_open_sequences, kept.num_open_sequences) == (0, 0)
-    finally:
-        await p.close()
-
-
-async def test_a_request_assigned_to_a_draining_detok_replica_opens_on_another() -> None:
-    config = Config(model_workers=["127.0.0.1:9"], detok_workers=["127.0.0.1:9", "127.0.0.1:10"])
-    p = Pipeline(config, [grpc.aio.insecure_channel(a) for a in config.detok_workers])
-    p.model_info = model_worker_pb2.ModelInfo(tokenizer=common_pb2.TokenizerIdentity(path="/t", sha256="00"))
-    model = p.model_workers.replicas[0]
-    for stream in (model.stream, *(d.stream for d in p.detoks)):
-        stream._connected.set()
-    try:
-        draining, other = p.detoks
-        generator = p.generate([1], GenerationParams())
-        first = asyncio.create_task(anext(generator))
-        await asyncio.sleep(0)
-        (add,) = model._take_frame().adds
-        assert p._live[add.request_id].detok is draining
-        draining.health.serving = False  # SIGTERM: its health turned NOT_SERVING
-        p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(add.request_id, 0, [5])]))
-        assert draining._take_frame() is None
-        (opened,) = other._take_frame().opens
-        assert opened.sequence_id == f"{add.request_id}-0"
-        first.cancel()
-        await asyncio.gather(first, return_exceptions=True)
+async def test_losing_a_detok_replica_moves_requests_that_sent_it_nothing(two_detoks: Pipeline) -> None:
+    p, model = two_detoks, two_detoks.model
+    lost, kept = p.detoks
+    running, other, waiting = (p.generate([i], GenerationParams()) for i in (1, 2, 3))
+    firsts = [asyncio.create_task(anext(g)) for g in (running, other, waiting)]
+    await asyncio.sleep(0)
+    adds = model._take_frame().adds
+    assert [p._live[a.request_id].detok for a in adds] == [lost, kept, lost]  # least loaded first
+    p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[0].request_id, 0, [4])]))
+    lost.stream._connected.clear()
+    p._on_detok_lost(0, ConnectionError("gone"))
+    # The one with a sequence open there fails; the one still waiting for its first token moves.
+    with pytest.raises(APIError, match="lost the detok worker stream") as info:
+        await asyncio.wait_for(firsts[0], 5)
+    assert info.value.status == 503
+    assert p._live[adds[2].request_id].detok is kept and (lost.num_open_sequences, kept.num_open_sequences) == (
+        0, 2)
+    p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[2].request_id, 0, [5], LENGTH)]))
+    (opened,) = kept._take_frame().opens
+    assert opened.sequence_id == f"{adds[2].request_id}-0"
+    p._on_text_delta_frame(1, detok_worker_pb2.TextDeltaFrame(deltas=[text(opened.sequence_id, "y", True)]))
+    _, event = await asyncio.wait_for(firsts[2], 5)
+    assert event.text == "y" and event.finish_reason == "length"
+    firsts[1].cancel()
+    await asyncio.gather(firsts[1], return_exceptions=True)
+    for generator in (running, other, waiting):
         await generator.aclose()
-        assert (draining.num_open_sequences, other.num_open_sequences) == (0, 0)
-    finally:
-        await p.close()
+    assert (lost.num_open_sequences, kept.num_open_sequences) == (0, 0)
+
+
+async def test_a_request_assigned_to_a_draining_detok_replica_opens_on_another(two_detoks: Pipeline) -> None:
+    p, model = two_detoks, two_detoks.model
+    draining, other = p.detoks
+    generator = p.generate([1], GenerationParams())
+    first = asyncio.create_task(anext(generator))
+    await asyncio.sleep(0)
+    (add,) = model._take_frame().adds
+    assert p._live[add.request_id].detok is draining
+    draining.health.serving = False  # SIGTERM: its health turned NOT_SERVING
+    p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(add.request_id, 0, [5])]))
+    assert draining._take_frame() is None
+    (opened,) = other._take_frame().opens
+    assert opened.sequence_id == f"{add.request_id}-0"
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await generator.aclose()
+    assert (draining.num_open_sequences, other.num_open_sequences) == (0, 0)
 
 
 async def test_logprob_tokens_are_rendered_by_the_detok_worker_as_they_stream(pipeline: Pipeline) -> None:
