@@ -19,8 +19,7 @@ MAX_N = 16
 # Token ids, counts and top_k travel as int32 on the wire (vLLM refuses what does not fit too).
 INT32_MAX = 2**31 - 1
 Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
-# Beam scores divide by length ** length_penalty; far beyond transformers' usual 0.6-2 that
-# under- or overflows a float.
+# AddRequest.length_penalty's bound (model_worker.proto), refused here with a 400 naming it.
 MAX_ABS_LENGTH_PENALTY = 10.0
 # JSON's "\ud800" escapes parse to lone UTF-16 surrogates, which are not Unicode text: no
 # tokenizer or protobuf string takes them.

@@ -273,7 +273,7 @@ class Pipeline:
         request.model_finished = all(s.model_finished for s in request.states)
         if state.finished:
             return  # a stop string ended this output; the others go on
-        if not request.detok.connected:
+        if not state.detok_opened and not request.detok.connected:
             # Its replica started draining (or went) while the request waited for its first
             # token: its sequences open on another one instead.
             self._move_unopened(request)

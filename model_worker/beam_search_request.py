@@ -19,8 +19,8 @@ from model_worker.beam_search import BeamCandidates, BeamSearch
 from model_worker.engine import LLMEngine, RequestRejected, SequenceOutput
 from model_worker.sequence import FinishReason, SamplingParams
 
-# Scores divide by length ** length_penalty: far beyond transformers' usual 0.6-2 that under-
-# or overflows a float (the gateway refuses the same range).
+# AddRequest.length_penalty's bound (model_worker.proto): scores divide by length **
+# length_penalty, which far beyond transformers' usual 0.6-2 under- or overflows a float.
 MAX_ABS_LENGTH_PENALTY = 10.0
 
 

@@ -44,8 +44,9 @@ def _num_candidates(logits: torch.Tensor) -> int | None:
 def top_p_removed(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """p [S, 1] in (0, 1], 1: off. Keeps the most likely tokens until their mass reaches p (the
     first is always kept), computed as transformers' TopPLogitsWarper does so the kept sets match
-    bit for bit (but for exact ties, which transformers' unstable sort orders as it happens to): ascending sort, drop while the cumulative mass is <= 1 - p (1 - p rounded from
-    float64, as a Python scalar would be)."""
+    bit for bit (but for exact ties, which transformers' unstable sort orders as it happens to):
+    ascending sort, drop while the cumulative mass is <= 1 - p (1 - p rounded from float64, as a
+    Python scalar would be)."""
     count = _num_candidates(logits)
     # Both paths order ties the same way, by descending token id, so that of tied tokens at the
     # cut the lowest id stays (as argmax picks it) and a row's kept set does not depend on which
