@@ -10,6 +10,7 @@ builds it, so `serving / engine` tok/s at the same flags is the serving path's c
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import deque
@@ -42,17 +43,18 @@ class EngineDriver:
     """Runs levels on one engine: adds requests between steps, as the model worker's loop does,
     and stamps each output token with the time its step returned."""
 
-    def __init__(self, engine: LLMEngine, output_tokens: int, ignore_eos: bool = True) -> None:
+    def __init__(self, engine: LLMEngine, output_tokens: int, ignore_eos: bool = True,
+                 sampling: SamplingParams | None = None) -> None:
         self.engine = engine
         self.output_tokens = output_tokens
         self.ignore_eos = ignore_eos
+        self.sampling = sampling or SamplingParams()  # greedy, as loadgen's temperature 0
         self._next_id = 0
 
     def _add(self, prompt: Prompt, max_tokens: int) -> int:
         request_id = self._next_id
         self._next_id += 1
-        # SamplingParams(): greedy, as loadgen's temperature 0.
-        self.engine.add_request(request_id, prompt.token_ids, SamplingParams(), max_tokens, [], self.ignore_eos)
+        self.engine.add_request(request_id, prompt.token_ids, self.sampling, max_tokens, [], self.ignore_eos)
         return request_id
 
     def warm_up(self, prompts: list[Prompt]) -> None:
@@ -111,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--label", default="tokenwire engine alone")
     parser.add_argument("--json", dest="json_out", default="")
     parser.add_argument("--plot", default="")
+    parser.add_argument("--sampling", type=json.loads, default={},
+                        help='SamplingParams fields as JSON, e.g. \'{"temperature": 1.0, "top_p": 0.95}\' '
+                             "(what loadgen's --extra-body sends); default: greedy")
     return parse_with_model_worker_args(parser, argv)
 
 
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
               "the engine queues the rest", file=sys.stderr)
     engine, model_dir = build_engine(config)
     pool = make_prompts(load_tokenizer(model_dir), workload.pool_size, workload.prompt_len, workload.seed)
-    driver = EngineDriver(engine, workload.output_tokens)
+    driver = EngineDriver(engine, workload.output_tokens, sampling=SamplingParams(**args.sampling))
     driver.warm_up(workload.warmup_prompts(pool)[:1])
     summaries: list[LevelSummary] = []
     for level in workload.levels():

@@ -317,6 +317,54 @@ def test_filters_after_top_k_sort_only_the_candidates_with_the_same_result():
         assert (~fast).sum(-1).min() >= 1
 
 
+def test_top_p_settled_from_a_few_tokens_keeps_what_the_full_sort_keeps(monkeypatch):
+    """On CPU top_p looks for each row's cut among its largest logits, then within a band of logit
+    values, and sorts the whole row only when neither settles it. Peaked and flat rows, exact
+    ties, -inf runs and p 1 (off) rows side by side: each row keeps what the full sort keeps, but
+    for a token whose cumulative mass is within float32 rounding of 1 - p (the softmax's sum runs
+    in another order), and every path ran."""
+    from model_worker.sampling import processors
+
+    settled_by: dict[str, int] = {"full sort": 0}
+    full_sort = processors._top_p_removed_by_full_sort
+
+    def counting_full_sort(logits, p):
+        settled_by["full sort"] += logits.shape[0]
+        return full_sort(logits, p)
+
+    def counting(settle):
+        def counted(*args):
+            remove, settled = settle(*args)
+            settled_by[settle.__name__] = settled_by.get(settle.__name__, 0) + int(settled.sum())
+            return remove, settled
+        return counted
+
+    monkeypatch.setattr(processors, "_top_p_removed_by_full_sort", counting_full_sort)
+    for name in ("_top_p_removed_among_largest", "_top_p_removed_in_band"):
+        monkeypatch.setattr(processors, name, counting(getattr(processors, name)))
+    torch.manual_seed(3)
+    vocab = 5000
+    scales = torch.tensor([[12.0], [8.0], [4.0], [2.0], [1.0], [0.3], [6.0], [3.0], [0.0]])
+    for trial in range(16):
+        logits = torch.randn(9, vocab) * scales
+        logits[1] = (logits[1] * 2).round() / 2  # many exact ties
+        logits[6, : vocab // 2] = float("-inf")
+        logits[7, torch.randperm(vocab)[:100]] = 20.0  # 100 tokens tie across the top-64
+        logits[8, 0] = 1e-3  # all but one tied: the band cannot narrow it
+        p = torch.rand(9, 1, dtype=torch.float64) * 0.98 + 0.01
+        p[0] = 1 - 1e-9  # the band's float32 histogram does not place such a cut: the full sort
+        p[trial % 9] = 1.0
+        expected = full_sort(logits, p)
+        ours = processors.top_p_removed(logits, p)
+        assert not ours[trial % 9].any()  # p 1 keeps the whole row
+        for row, token in (ours != expected).nonzero().tolist():  # only at the cut, by rounding
+            ascending, order = logits[row].sort(stable=True)
+            cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)[(order == token).nonzero()[0, 0]]
+            assert abs(cumulative.item() - (1 - p[row].item())) < 1e-5, (trial, row, token)
+    assert min(settled_by.values()) > 0, settled_by
+    assert set(settled_by) == {"full sort", "_top_p_removed_among_largest", "_top_p_removed_in_band"}
+
+
 def test_top_p_keeps_the_same_tied_token_whichever_path_the_batch_takes():
     # Tokens 3 and 40 tie at the top; top_k=2 then top_p=0.5 keeps one of them. Alone, the row
     # takes top_p's candidates-only path; beside a row without top_k, the full sort. Both keep
