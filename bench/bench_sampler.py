@@ -1,6 +1,6 @@
 """The sampler step alone: greedy fast path vs plain sampling vs the full chain, per batch size,
-vocabulary size and device, side by side in one process; on CPU also the greedy path on the
-model worker's C++ argmax (model_worker/kernels/sampling_ops.cpp) where it builds.
+vocabulary size and device, side by side in one process; on CPU also the greedy and sampled
+paths on the model worker's C++ picks (model_worker/kernels/sampling_ops.cpp) where they build.
 
 Sits beside the model worker: drives model_worker.sampling.Sampler on random logits with
 Sequences whose token lists grow each step, as the engine's would (so the batch view is reused
@@ -58,12 +58,12 @@ def sync(device: torch.device) -> None:
 
 
 def time_mode(params: SamplingParams, batch: int, vocab: int, device: torch.device, min_seconds: float,
-              min_steps: int, argmax=None) -> tuple[float, float]:
+              min_steps: int, argmax=None, gumbel_argmax=None) -> tuple[float, float]:
     """-> (ms per step, ms to build the batch view from scratch: what a step pays when the batch's
     rows change, counts from token lists included)."""
     seqs = make_sequences(params, batch, vocab, prompt_len=64, history=32)
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(1)).to(device)  # [B, V]
-    sampler = Sampler(vocab, device, argmax)
+    sampler = Sampler(vocab, device, argmax, gumbel_argmax)
 
     def step() -> None:
         token_ids = sampler.sample(logits, seqs).token_ids.tolist()  # the engine's one host copy
@@ -102,7 +102,8 @@ def main() -> None:
     devices = [torch.device(d) for d in args.devices.split(",") if d != "cuda" or torch.cuda.is_available()]
     rows = []
     kernel = sampling_ops_module()
-    header = ("| device | vocab | batch | greedy ms | greedy, C++ argmax ms | sample ms | top_p ms | full ms | full / greedy | "
+    header = ("| device | vocab | batch | greedy ms | greedy, C++ argmax ms | sample ms | sample, C++ draw ms | "
+              "top_p ms | full ms | full / greedy | "
               "full / sample | full build ms |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -116,13 +117,16 @@ def main() -> None:
                 if device.type == "cpu" and kernel is not None:
                     ms["greedy_kernel"], _ = time_mode(MODES["greedy"], batch, vocab, device, args.min_seconds,
                                                        args.min_steps, kernel.argmax_rows)
+                    ms["sample_kernel"], _ = time_mode(MODES["sample"], batch, vocab, device, args.min_seconds,
+                                                       args.min_steps, kernel.argmax_rows, kernel.gumbel_argmax_rows)
                 row = {"device": device.type, "vocab": vocab, "batch": batch, **{f"{k}_ms": v for k, v in ms.items()},
                        "full_build_ms": build["full"], "full_over_greedy": ms["full"] / ms["greedy"],
                        "full_over_sample": ms["full"] / ms["sample"]}
                 rows.append(row)
                 greedy_kernel = f"{ms['greedy_kernel']:.3f}" if "greedy_kernel" in ms else "-"
+                sample_kernel = f"{ms['sample_kernel']:.3f}" if "sample_kernel" in ms else "-"
                 print(f"| {device.type} | {vocab} | {batch} | {ms['greedy']:.3f} | {greedy_kernel} | "
-                      f"{ms['sample']:.3f} | {ms['top_p']:.3f} | {ms['full']:.3f} | {row['full_over_greedy']:.1f}x | {row['full_over_sample']:.1f}x | "
+                      f"{ms['sample']:.3f} | {sample_kernel} | {ms['top_p']:.3f} | {ms['full']:.3f} | {row['full_over_greedy']:.1f}x | {row['full_over_sample']:.1f}x | "
                       f"{build['full']:.1f} |", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

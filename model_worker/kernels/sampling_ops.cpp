@@ -1,12 +1,19 @@
-// The sampler's greedy pick on CPU: the argmax of each row of float32 logits.
+// The sampler's token picks on CPU, on float32 logits [S, V] with contiguous rows.
 //
-// Why a kernel: torch's CPU argmax over a 49152-wide vocabulary took 57 us a row at one row and
-// 0.9 ms for 32 rows (2 threads, measured on this project's 2-core AVX-512 machine): about 3% of a
-// 32-stream decode step, for a reduction that reads 6 MB already in cache. Here each row is one
-// pass of 16-lane compares.
+// argmax_rows: the greedy pick, the argmax of each row. torch's CPU argmax over a 49152-wide
+// vocabulary took 57 us a row at one row and 0.9 ms for 32 rows (2 threads, measured on this
+// project's 2-core AVX-512 machine): about 3% of a 32-stream decode step, for a reduction that
+// reads 6 MB already in cache. Here each row is one pass of 16-lane compares. Same answer as
+// torch.argmax(dim=-1): the first index of the largest value; a row with a NaN gives the index of
+// its first NaN (torch counts NaN as the largest); a row of all -inf gives 0.
 //
-// Same answer as torch.argmax(dim=-1): the first index of the largest value; a row with a NaN gives
-// the index of its first NaN (torch counts NaN as the largest); a row of all -inf gives 0.
+// gumbel_argmax_rows: the sampled pick, argmax(logits + Gumbel noise) with the noise of
+// model_worker/sampling/counter_random.py (a hash of row key and column counter -> a 24-bit
+// uniform u -> -log(-log(u))), fused into one pass instead of torch's ~10 passes over [S, V], and
+// skipping the noise of every token too unlikely to win: the noise is at most G_MAX (u's largest
+// value), so a token whose logit + G_MAX is below a score already seen cannot be drawn. Ties and
+// NaN as argmax_rows. The log here is not Sleef's, so a score can differ from torch's path in its
+// last bit: a draw differs only where two scores tie to within that.
 //
 // vectorized() is false where the compiler was not given AVX-512 (the sampler then keeps torch's).
 
@@ -85,6 +92,110 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   return out;
 }
 
+
+#ifdef TOKENWIRE_SAMPLING_OPS
+// counter_random._uniform_bits then uniforms, 16 columns at a time: a two-round multiply-xorshift
+// of key ^ column (int32 products wrap as torch's do), its top 24 bits, (bits + 0.5) / 2^24,
+// clamped below 1.
+inline __m512 uniforms16(__m512i key, __m512i columns) {
+  __m512i x = _mm512_xor_si512(key, columns);
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int32_t>(0x846CA68Bu)));
+  const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 8)), _mm512_set1_ps(0.5f)),
+                                 _mm512_set1_ps(1.0f / (1 << 24)));
+  return _mm512_min_ps(u, _mm512_set1_ps(1.0f - 1.0f / (1 << 24)));
+}
+
+inline __m512 gumbel16(__m512 u) {
+  return _mm512_sub_ps(_mm512_setzero_ps(), tokenwire::log_ps(_mm512_sub_ps(_mm512_setzero_ps(), tokenwire::log_ps(u))));
+}
+
+// The largest noise there is (u = 1 - 2^-24, ~16.6), as this file computes it.
+float gumbel_max() {
+  return _mm512_cvtss_f32(gumbel16(_mm512_set1_ps(1.0f - 1.0f / (1 << 24))));
+}
+
+int64_t gumbel_argmax_row(const float* x, int64_t V, int32_t key, const int32_t* columns, float g_max) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // First pass: the largest logit (and NaN, which wins as in torch).
+  __m512 top = minus_inf;
+  __mmask16 nan_seen = 0;
+  for (int64_t k = 0; k < V; k += 16) {
+    const __m512 v = _mm512_mask_loadu_ps(minus_inf, tokenwire::lanes(V - k), x + k);
+    nan_seen |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_max_ps(v, top);
+  }
+  if (nan_seen) {
+    for (int64_t k = 0; k < V; ++k)
+      if (std::isnan(x[k])) return k;
+  }
+  const __m512i key16 = _mm512_set1_epi32(key);
+  // Any token below `floor` scores less than some token already scored, so it cannot win. It
+  // starts at the largest logit's least score (u's smallest value) and rises with the best score
+  // seen; the margin covers the sums' rounding.
+  const float largest = _mm512_reduce_max_ps(top);
+  const float g_min = _mm512_cvtss_f32(gumbel16(_mm512_set1_ps(0.5f / (1 << 24))));
+  auto floor_below = [&](float score) {
+    return std::isfinite(score) ? score - g_max - (1e-2f + 1e-4f * std::fabs(score)) : score;
+  };
+  float floor = floor_below(largest + g_min);
+  __m512 best = minus_inf;
+  __m512i best_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i index = best_index;
+  const __m512i step = _mm512_set1_epi32(16);
+  for (int64_t k = 0; k < V; k += 16, index = _mm512_add_epi32(index, step)) {
+    const __mmask16 live = tokenwire::lanes(V - k);
+    const __m512 v = _mm512_mask_loadu_ps(minus_inf, live, x + k);
+    // >= keeps every lane of a row of -inf (floor is -inf there), whose answer is index 0.
+    const __mmask16 contender = _mm512_mask_cmp_ps_mask(live, v, _mm512_set1_ps(floor), _CMP_GE_OQ);
+    if (!contender) continue;
+    const __m512i cols = _mm512_maskz_loadu_epi32(contender, columns + k);
+    const __m512 score = _mm512_mask_add_ps(minus_inf, contender, v, gumbel16(uniforms16(key16, cols)));
+    // Strictly greater: each lane keeps the first index of its own maximum.
+    const __mmask16 greater = _mm512_cmp_ps_mask(score, best, _CMP_GT_OQ);
+    if (!greater) continue;
+    best = _mm512_mask_mov_ps(best, greater, score);
+    best_index = _mm512_mask_mov_epi32(best_index, greater, index);
+    const float seen = _mm512_reduce_max_ps(best);
+    if (floor_below(seen) > floor) floor = floor_below(seen);
+  }
+  const float winner = _mm512_reduce_max_ps(best);
+  const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(winner), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(at_top, best_index);
+}
+#endif
+
+// logits [S, V] float32 with contiguous rows, keys [S] int32, columns [V] int32 -> [S] int64:
+// argmax(logits + gumbel_noise(keys, columns), dim=-1) as counter_random.py computes it.
+torch::Tensor gumbel_argmax_rows(const torch::Tensor& logits, const torch::Tensor& keys, const torch::Tensor& columns) {
+  TORCH_CHECK(vectorized(), "built without AVX-512");
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  logits.stride(1) == 1,
+              "logits must be a float32 CPU tensor [S, V] with contiguous rows");
+  const int64_t S = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V >= 1 && V < std::numeric_limits<int32_t>::max(), "V must be in [1, 2^31 - 1), got ", V);
+  TORCH_CHECK(keys.device().is_cpu() && keys.scalar_type() == at::kInt && keys.dim() == 1 && keys.size(0) == S &&
+                  keys.is_contiguous(),
+              "keys must be a contiguous int32 CPU tensor [S]");
+  TORCH_CHECK(columns.device().is_cpu() && columns.scalar_type() == at::kInt && columns.dim() == 1 &&
+                  columns.size(0) == V && columns.is_contiguous(),
+              "columns must be a contiguous int32 CPU tensor [V]");
+  auto out = torch::empty({S}, logits.options().dtype(at::kLong));
+#ifdef TOKENWIRE_SAMPLING_OPS
+  const float* x = logits.data_ptr<float>();
+  const int64_t row_stride = logits.stride(0);
+  const int32_t* k = keys.data_ptr<int32_t>();
+  const int32_t* c = columns.data_ptr<int32_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const float g_max = gumbel_max();
+  at::parallel_for(0, S, 2, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) o[s] = gumbel_argmax_row(x + s * row_stride, V, k[s], c, g_max);
+  });
+#endif
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -92,4 +203,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL, as torch's own ops run.
   m.def("argmax_rows", &argmax_rows, "torch.argmax(logits, dim=-1) for float32 [S, V] on CPU",
         pybind11::arg("logits"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gumbel_argmax_rows", &gumbel_argmax_rows,
+        "argmax(logits + counter_random.gumbel_noise(keys, columns), dim=-1) for float32 [S, V] on CPU",
+        pybind11::arg("logits"), pybind11::arg("keys"), pybind11::arg("columns"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

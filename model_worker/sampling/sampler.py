@@ -58,12 +58,15 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """argmax: a faster torch.argmax(logits, dim=-1) for the all-greedy step (the CPU kernel,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 gumbel_argmax: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+        """argmax: a faster torch.argmax(logits, dim=-1) for greedy rows, gumbel_argmax: a faster
+        argmax(logits + gumbel_noise(keys, columns), dim=-1) for sampled rows (the CPU kernels of
         model_worker/kernels/sampling_ops.cpp), or None for torch's."""
         self.vocab_size = vocab_size
         self.device = device
         self._argmax = argmax or functools.partial(torch.argmax, dim=-1)
+        self._gumbel_argmax = gumbel_argmax
         self.batch: SamplingBatch | None = None
         self._columns = column_counters(vocab_size, device)  # [V]
         self._saved_mu: dict[int, float] = {}  # mirostat state of sequences out of the batch
@@ -198,9 +201,8 @@ class Sampler:
         return x.index_copy_(0, dry.rows, penalties.subtract_at(x.index_select(0, dry.rows), ids, amounts))
 
     def _draw(self, b: SamplingBatch, final: torch.Tensor) -> torch.Tensor:
-        greedy_ids = final.argmax(dim=-1)
         if not b.any_sampled:
-            return greedy_ids
+            return self._argmax(final)
         rows = b.sampled_rows  # greedy rows need no noise
         keys = row_keys(*(_select(t, rows) for t in (b.seed_lo, b.seed_hi, b.sample_index, b.state.num_output)),
                         stream=STREAM_TOKEN)
@@ -210,8 +212,12 @@ class Sampler:
         # every logit's change, while a Gumbel flip needs the top two noisy scores within it. The
         # same 5000-request seeded soak (bench/soak.py --tiny) replayed 3 of 4566 outputs
         # differently with the inverse CDF and none with this.
-        sampled_ids = gumbel_noise(keys, self._columns).add_(_select(final, rows)).argmax(dim=-1)
-        token_ids = sampled_ids if rows is None else greedy_ids.index_copy(0, rows, sampled_ids)
+        sampled = _select(final, rows)
+        if self._gumbel_argmax is not None:  # one pass, no [S, V] noise: 2.9 -> 0.9 ms at 32 x 49152
+            sampled_ids = self._gumbel_argmax(sampled.contiguous(), keys, self._columns)
+        else:
+            sampled_ids = gumbel_noise(keys, self._columns).add_(sampled).argmax(dim=-1)
+        token_ids = sampled_ids if rows is None else self._argmax(final).index_copy(0, rows, sampled_ids)
         if b.mirostat is not None:
             on = b.mirostat
             chosen_ids = _select(token_ids, on.rows)[:, None]
