@@ -365,6 +365,25 @@ def test_top_p_settled_from_a_few_tokens_keeps_what_the_full_sort_keeps(monkeypa
     assert set(settled_by) == {"full sort", "_top_p_removed_among_largest", "_top_p_removed_in_band"}
 
 
+def test_top_p_rows_the_cheaper_paths_cannot_settle_go_to_the_full_sort():
+    """Rows that once crashed the band: p so close to 1 that the float32 histogram never reaches
+    it (an empty band), all-equal and nearly flat rows (a band of the whole row), and rows with
+    +inf, NaN or only -inf (NaN bins). Beside ordinary rows, each keeps what the full sort keeps."""
+    from model_worker.sampling import processors
+
+    torch.manual_seed(4)
+    logits = torch.randn(8, 4000) * 3
+    logits[1] = 0.0  # all equal
+    logits[2] = torch.randn(4000) * 0.001  # nearly flat
+    logits[3, 17] = float("inf")
+    logits[4, 99] = float("nan")
+    logits[5] = float("-inf")
+    p = torch.tensor([[0.99999999], [0.9999], [0.9], [0.9], [0.9], [0.9], [0.9], [0.5]], dtype=torch.float64)
+    for rows in ([0], [1], [0, 1, 6, 7], list(range(8))):
+        ours = processors.top_p_removed(logits[rows], p[rows])
+        assert torch.equal(ours, processors._top_p_removed_by_full_sort(logits[rows], p[rows])), rows
+
+
 def test_top_p_keeps_the_same_tied_token_whichever_path_the_batch_takes():
     # Tokens 3 and 40 tie at the top; top_k=2 then top_p=0.5 keeps one of them. Alone, the row
     # takes top_p's candidates-only path; beside a row without top_k, the full sort. Both keep

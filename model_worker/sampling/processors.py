@@ -38,7 +38,7 @@ def _num_candidates(logits: torch.Tensor) -> int | None:
     if logits.device.type != "cpu":
         return None
     count = int(torch.isfinite(logits).sum(dim=-1).max())
-    return count if count <= logits.shape[-1] // 4 else None
+    return count if 0 < count <= logits.shape[-1] // 4 else None  # 0: all -inf, nothing to sort by
 
 
 # top_p on CPU looks for each row's cut in two cheaper ways before it sorts the whole vocabulary:
@@ -118,7 +118,7 @@ def _top_p_removed_among_largest(logits: torch.Tensor, probs: torch.Tensor, tota
     values, ids = _tie_ordered_descending(logits, logits.topk(count, dim=-1).indices)
     remove_sorted = _top_p_cut(probs.gather(-1, ids), torch.zeros_like(total), total, p)
     remove_sorted[:, 0] = False
-    settled = (remove_sorted | (values > values[:, -1:])).all(dim=-1)
+    settled = (remove_sorted | (values > values[:, -1:])).all(dim=-1) & torch.isfinite(total[:, 0])
     return torch.ones_like(logits, dtype=torch.bool).scatter_(-1, ids, remove_sorted), settled
 
 
@@ -130,19 +130,30 @@ def _top_p_removed_in_band(logits: torch.Tensor, probs: torch.Tensor, total: tor
     so ties never straddle the band's edges; only the band's tokens are sorted. A row is settled
     when the band's first token is kept (or is the row's top) and the token right below it, whose
     mass above is everything above the band plus the band, is dropped."""
+    num_rows, vocab = logits.shape
     bins = ((logits.amax(dim=-1, keepdim=True) - logits) * (1 / TOP_P_BIN_WIDTH))
-    bins = bins.clamp_(max=TOP_P_NUM_BINS - 1).long()  # [S, V]; 0: the top; -inf goes to the last
-    mass = torch.zeros(logits.shape[0], TOP_P_NUM_BINS).scatter_add_(1, bins, probs)
+    # [S, V]; 0: the top; -inf goes to the last bin. A row with a NaN or an infinite max has NaN
+    # here and in its softmax; its bins are only kept in range, and the full sort takes it.
+    bins = bins.nan_to_num_(nan=0.0).clamp_(max=TOP_P_NUM_BINS - 1).long()
+    usable = torch.isfinite(total[:, 0])
+    mass = torch.zeros(num_rows, TOP_P_NUM_BINS, dtype=probs.dtype).scatter_add_(1, bins, probs)
     # The first bin where the mass reaches p (float32 is close enough to choose a band).
-    cut = (mass.cumsum(dim=1) < p.float() * total.float()).sum(dim=1, keepdim=True)
+    cut = (mass.cumsum(dim=1) < p.to(probs.dtype) * total.to(probs.dtype)).sum(dim=1, keepdim=True)
     first, last = (cut - 1).clamp(min=0), (cut + 1).clamp(max=TOP_P_NUM_BINS - 1)
+    in_band = (bins >= first) & (bins <= last)
+    # A band of much of the row (a flat row: most tokens within a bin's width) would cost what the
+    # full sort does and widen every row's padding below; the full sort takes such rows.
+    usable &= in_band.sum(dim=-1) <= vocab // 8
+    in_band &= usable[:, None]
+    if not bool(usable.any()):
+        return torch.ones_like(logits, dtype=torch.bool), usable
     mass_above = torch.where(bins < first, probs, 0.0).sum(dim=-1, keepdim=True, dtype=torch.float64)
-    rows, ids = ((bins >= first) & (bins <= last)).nonzero(as_tuple=True)  # ids ascending per row
-    counts = torch.bincount(rows, minlength=logits.shape[0])
-    width = int(counts.max())
+    rows, ids = in_band.nonzero(as_tuple=True)  # ids ascending per row
+    counts = torch.bincount(rows, minlength=num_rows)
+    width = max(int(counts.max()), 1)
     slot = torch.arange(rows.numel()) - (counts.cumsum(0) - counts)[rows]
     padding = torch.arange(width)[None, :] >= counts[:, None]  # [S, width]
-    values = torch.full((logits.shape[0], width), NEG_INF).index_put_((rows, slot), logits[rows, ids])
+    values = torch.full((num_rows, width), NEG_INF, dtype=logits.dtype).index_put_((rows, slot), logits[rows, ids])
     band_ids = torch.zeros_like(padding, dtype=torch.long).index_put_((rows, slot), ids)
     values, by_value = values.sort(dim=-1, descending=True, stable=True)  # ties: ascending id
     band_ids = band_ids.gather(-1, by_value)
@@ -151,7 +162,7 @@ def _top_p_removed_in_band(logits: torch.Tensor, probs: torch.Tensor, total: tor
     remove_band = _top_p_cut(band_probs, mass_above, total, p)
     remove_band[:, 0] &= first[:, 0] > 0  # the row's top token always stays
     below = (total - mass_above - band_probs.double().sum(dim=-1, keepdim=True)).to(torch.float32)
-    settled = ~remove_band[:, 0] & (below <= (1.0 - p.double()).to(torch.float32))[:, 0]
+    settled = usable & ~remove_band[:, 0] & (below <= (1.0 - p.double()).to(torch.float32))[:, 0]
     remove_band = torch.where(padding, remove_band[:, :1], remove_band)
     return (bins > last).scatter_(-1, band_ids, remove_band), settled
 
