@@ -72,7 +72,8 @@ class LLMEngine:
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size,
                                           enable_prefix_caching and runner.supports_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.sampler = Sampler(runner.vocab_size, runner.device, runner.argmax, runner.gumbel_argmax)
+        self.sampler = Sampler(runner.vocab_size, runner.device, runner.argmax, runner.gumbel_argmax,
+                               runner.top_p_rows)
         # Keys the draws of requests without a seed: random per request, reproducible per worker seed.
         self._unseeded_keys = random.Random(seed)
         self._prompt_logprobs: dict[int, PromptLogprobs] = {}  # by seq_id, while the prompt is prefilled

@@ -208,12 +208,14 @@ class ModelRunner:
                 llama_ops = llama_ops_module(kernel_build_root) if bf16_cpu_kernels else None
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel,
                                         llama_ops, bf16_kernel, bf16_large_steps)
-        # The sampler's greedy and sampled picks on the CPU (any dtype: they read the float32 logits).
+        # The sampler's greedy and sampled picks and top_p on the CPU (any dtype: they read the float32 logits).
         sampling_ops = sampling_ops_module(kernel_build_root) if cpu_kernels else None
         self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = (
             sampling_ops.argmax_rows if sampling_ops is not None else None)
         self.gumbel_argmax: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = (
             sampling_ops.gumbel_argmax_rows if sampling_ops is not None else None)
+        self.top_p_rows: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = (
+            sampling_ops.top_p_rows if sampling_ops is not None else None)
         if decode_graphs:
             if isinstance(s, HFShape):
                 raise ValueError("CUDA graphs are only for natively run architectures (Llama family, GPT-2), "

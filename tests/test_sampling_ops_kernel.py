@@ -1,5 +1,6 @@
-"""The sampler's compiled picks (model_worker/kernels/sampling_ops.cpp) against torch: the greedy
-argmax against torch.argmax, the sampled draw against argmax(logits + counter_random.gumbel_noise).
+"""The sampler's compiled ops (model_worker/kernels/sampling_ops.cpp) against torch: the greedy
+argmax against torch.argmax, the sampled draw against argmax(logits + counter_random.gumbel_noise),
+top_p's cut against the full sort of processors.top_p_removed.
 
 Skipped where it cannot be used: a CPU without AVX-512 or no C++ compiler; the sampler then runs
 torch.argmax, which the rest of the suite covers. Where both are there, a kernel that fails to
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from model_worker import kernels
+from model_worker.sampling import processors
 from model_worker.sampling.counter_random import column_counters, gumbel_noise
 from model_worker.sampling.sampler import Sampler
 from model_worker.sequence import SamplingParams, Sequence
@@ -95,7 +97,8 @@ def test_runner_hands_the_kernel_to_the_sampler_on_cpu(tiny_model_dir):
     if CAN_BUILD:
         assert with_kernel.sampler._argmax is module.argmax_rows
         assert with_kernel.sampler._gumbel_argmax is module.gumbel_argmax_rows
-    assert without.sampler._gumbel_argmax is None
+        assert with_kernel.sampler._top_p_removed.keywords["kernel"] is module.top_p_rows
+    assert without.sampler._gumbel_argmax is None and without.sampler._top_p_removed.keywords["kernel"] is None
 
 
 def test_the_sampler_falls_back_to_torch():
@@ -209,3 +212,60 @@ def test_gumbel_draw_keeps_a_far_token_whose_noise_is_large_enough():
     logits[0, column] = (g[0] - g[column] + 0.5).item()  # ~14 below token 0, yet its score is 0.5 higher
     assert torch_draw(logits, key).item() == column
     assert module.gumbel_argmax_rows(logits, key, columns).item() == column
+
+
+def assert_top_p_as_the_full_sort(remove: torch.Tensor, logits: torch.Tensor, p: torch.Tensor) -> None:
+    """remove [S, V] equals the full sort's mask but for tokens whose cumulative mass is within
+    float32 rounding of 1 - p (the softmax's sum runs in another order)."""
+    if logits.shape[0] == 0:
+        return
+    expected = processors._top_p_removed_by_full_sort(logits, p[:, None])
+    for row, token in (remove != expected).nonzero().tolist():
+        ascending, order = logits[row].sort(stable=True)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)[(order == token).nonzero()[0, 0]]
+        assert abs(cumulative.item() - (1 - p[row].item())) < 1e-5, (row, token)
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 2, 17, 5000, 49152])
+def test_top_p_rows_settle_as_the_full_sort(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    scales = torch.tensor([[0.3], [1.0], [3.0], [8.0], [20.0], [2.0]])
+    logits = torch.randn(6, vocab, generator=gen) * scales
+    logits[5] = (logits[5] * 2).round() / 2  # exact ties
+    settled_rows = 0
+    for p_value in (0.05, 0.5, 0.9, 0.95, 0.999):
+        p = torch.full((6,), p_value, dtype=torch.float64)
+        remove, settled = module.top_p_rows(logits, p)
+        assert_top_p_as_the_full_sort(remove[settled], logits[settled], p[settled])
+        settled_rows += int(settled.sum())
+    if vocab >= 5000:  # (a band may hold at most V / 8 tokens: tiny vocabularies go to the full sort)
+        assert settled_rows >= 20  # most rows settle: the kernel is not just handing rows back
+
+
+@needs_kernel
+def test_top_p_rows_hands_back_rows_it_cannot_settle():
+    logits = torch.randn(7, 4000, generator=torch.Generator().manual_seed(0)) * 3
+    logits[1, 5] = INF
+    logits[2, 9] = NAN
+    logits[3] = -INF
+    logits[4] = 0.0  # all equal: the band is the whole row
+    p = torch.full((7,), 0.9, dtype=torch.float64)
+    p[5] = 0.99999999  # settled or not, as the float64 sums fall
+    remove, settled = module.top_p_rows(logits, p)
+    assert settled[[0, 1, 2, 3, 4, 6]].tolist() == [True, False, False, False, False, True]
+    # Through top_p_removed, those rows take the full sort: the same mask as without the kernel.
+    with_kernel = processors.top_p_removed(logits, p[:, None], kernel=module.top_p_rows)
+    assert torch.equal(with_kernel[1:5], processors._top_p_removed_by_full_sort(logits[1:5], p[1:5, None]))
+    assert_top_p_as_the_full_sort(with_kernel, logits, p)
+
+
+@needs_kernel
+def test_top_p_rows_refuses_what_it_was_not_built_for():
+    p = torch.full((2,), 0.9, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="p must be"):
+        module.top_p_rows(torch.randn(2, 8), p.float())
+    with pytest.raises(RuntimeError, match="p must be"):
+        module.top_p_rows(torch.randn(3, 8), p)
+    with pytest.raises(RuntimeError, match="float32"):
+        module.top_p_rows(torch.randn(2, 8).bfloat16(), p)

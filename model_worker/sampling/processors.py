@@ -9,6 +9,7 @@ top_p 1, min_p 0, ...) keeps its row whole. Used by sampler.py in either chain o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -52,7 +53,9 @@ TOP_P_BIN_WIDTH = 1 / 32  # in logits: the histogram's bins run down from the ro
 TOP_P_NUM_BINS = 2048  # 64 logits deep; everything lower shares the last bin
 
 
-def top_p_removed(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def top_p_removed(logits: torch.Tensor, p: torch.Tensor,
+                  kernel: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                  ) -> torch.Tensor:
     """p [S, 1] in (0, 1], 1: off. Keeps the most likely tokens until their mass reaches p (the
     first is always kept), computed as transformers' TopPLogitsWarper does so the kept sets match:
     ascending sort, drop while the cumulative mass is <= 1 - p (1 - p rounded from float64, as a
@@ -63,29 +66,38 @@ def top_p_removed(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
     On CPU each row's cut is first looked for among a few of its tokens, and only rows where that
     does not settle it are sorted whole: a full sort of 32 rows of 49152 took 56 ms on 2 cores,
-    2.5 times a decode step. On an accelerator the full sort stays: choosing rows would make the
-    host wait for the device mid-step."""
+    2.5 times a decode step. kernel: sampling_ops.cpp's top_p_rows, which does the band's work in
+    one call (float32 logits; else the torch ops below). On an accelerator the full sort stays:
+    choosing rows would make the host wait for the device mid-step."""
     if logits.device.type != "cpu":
         return _top_p_removed_by_full_sort(logits, p)
     remove = torch.zeros_like(logits, dtype=torch.bool)
     rows = (p[:, 0] < 1.0).nonzero()[:, 0]
     every_row = rows.numel() == logits.shape[0]
     row_logits, row_p = (logits, p) if every_row else (logits.index_select(0, rows), p.index_select(0, rows))
-    probs = row_logits.softmax(dim=-1)
-    total = probs.sum(dim=-1, keepdim=True, dtype=torch.float64)
-    for settle in (_top_p_removed_among_largest, _top_p_removed_in_band):
+    if kernel is not None and logits.dtype == torch.float32:
+        stages = [lambda x, q: kernel(x.contiguous(), q[:, 0].contiguous())]
+    else:
+        stages = [_top_p_removed_among_largest, _top_p_removed_in_band]
+    for settle in stages:
         if rows.numel() == 0:
             return remove
-        row_remove, settled = settle(row_logits, probs, total, row_p)
+        row_remove, settled = settle(row_logits, row_p)
         if every_row and bool(settled.all()):
             return row_remove
         if bool(settled.any()):
             remove.index_copy_(0, rows[settled], row_remove[settled])
             every_row, left = False, ~settled
-            rows, row_logits, row_p, probs, total = rows[left], row_logits[left], row_p[left], probs[left], total[left]
+            rows, row_logits, row_p = rows[left], row_logits[left], row_p[left]
     if rows.numel() > 0:
         remove.index_copy_(0, rows, _top_p_removed_by_full_sort(row_logits, row_p))
     return remove
+
+
+def _softmax_and_total(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' softmax [S, V] and its float64 sum [S, 1]."""
+    probs = logits.softmax(dim=-1)
+    return probs, probs.sum(dim=-1, keepdim=True, dtype=torch.float64)
 
 
 def _tie_ordered_descending(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,13 +119,12 @@ def _top_p_cut(candidate_probs: torch.Tensor, mass_above: torch.Tensor, total: t
     return (total - above).to(torch.float32) <= (1.0 - p.double()).to(torch.float32)
 
 
-def _top_p_removed_among_largest(logits: torch.Tensor, probs: torch.Tensor, total: torch.Tensor,
-                                 p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(remove [S, V], settled [S]): top_p's mask from each row's TOP_P_CANDIDATES largest logits
-    (probs: the row's softmax, total [S, 1]: its float64 sum), valid for the rows where it is
-    settled: the smallest candidate, with every candidate tied to it, is dropped. Every token with
-    a larger logit is a candidate, so everything below is dropped too, whatever its order among
-    ties with the candidates."""
+def _top_p_removed_among_largest(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(remove [S, V], settled [S]): top_p's mask from each row's TOP_P_CANDIDATES largest logits,
+    valid for the rows where it is settled: the smallest candidate, with every candidate tied to
+    it, is dropped. Every token with a larger logit is a candidate, so everything below is dropped
+    too, whatever its order among ties with the candidates."""
+    probs, total = _softmax_and_total(logits)
     count = min(TOP_P_CANDIDATES, logits.shape[-1])
     values, ids = _tie_ordered_descending(logits, logits.topk(count, dim=-1).indices)
     remove_sorted = _top_p_cut(probs.gather(-1, ids), torch.zeros_like(total), total, p)
@@ -122,14 +133,14 @@ def _top_p_removed_among_largest(logits: torch.Tensor, probs: torch.Tensor, tota
     return torch.ones_like(logits, dtype=torch.bool).scatter_(-1, ids, remove_sorted), settled
 
 
-def _top_p_removed_in_band(logits: torch.Tensor, probs: torch.Tensor, total: torch.Tensor,
-                           p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_p_removed_in_band(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(remove [S, V], settled [S]) as _top_p_removed_among_largest, from a band of logit values:
     a histogram of each row's probability mass over TOP_P_BIN_WIDTH bins finds the bin where the
     mass reaches p, and the band is that bin and its two neighbours. Bins split strictly by value,
     so ties never straddle the band's edges; only the band's tokens are sorted. A row is settled
     when the band's first token is kept (or is the row's top) and the token right below it, whose
     mass above is everything above the band plus the band, is dropped."""
+    probs, total = _softmax_and_total(logits)
     num_rows, vocab = logits.shape
     bins = ((logits.amax(dim=-1, keepdim=True) - logits) * (1 / TOP_P_BIN_WIDTH))
     # [S, V]; 0: the top; -inf goes to the last bin. A row with a NaN or an infinite max has NaN

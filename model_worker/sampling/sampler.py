@@ -59,14 +59,18 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device,
                  argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 gumbel_argmax: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 gumbel_argmax: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 top_p_rows: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 ) -> None:
         """argmax: a faster torch.argmax(logits, dim=-1) for greedy rows, gumbel_argmax: a faster
-        argmax(logits + gumbel_noise(keys, columns), dim=-1) for sampled rows (the CPU kernels of
-        model_worker/kernels/sampling_ops.cpp), or None for torch's."""
+        argmax(logits + gumbel_noise(keys, columns), dim=-1) for sampled rows, top_p_rows: top_p's
+        cut without a sort (the CPU kernels of model_worker/kernels/sampling_ops.cpp), or None for
+        torch's."""
         self.vocab_size = vocab_size
         self.device = device
         self._argmax = argmax or functools.partial(torch.argmax, dim=-1)
         self._gumbel_argmax = gumbel_argmax
+        self._top_p_removed = functools.partial(processors.top_p_removed, kernel=top_p_rows)
         self.batch: SamplingBatch | None = None
         self._columns = column_counters(vocab_size, device)  # [V]
         self._saved_mu: dict[int, float] = {}  # mirostat state of sequences out of the batch
@@ -162,6 +166,8 @@ class Sampler:
 
             def removed(sub: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return processors.xtc_removed(sub, v[:, :1], coin < v[:, 1:])
+        elif name == "top_p":
+            removed = self._top_p_removed
         else:
             removed = _REMOVED[name]
         return lambda sub, v: sub.masked_fill_(removed(sub, v), NEG_INF)
@@ -247,8 +253,7 @@ class Sampler:
         return SamplerOutput(token_ids, chosen, raw_chosen, top_ids, top_lps)
 
 
-_REMOVED = {
-    "top_p": processors.top_p_removed,
+_REMOVED = {  # top_p: Sampler._top_p_removed (with the CPU kernel)
     "min_p": processors.min_p_removed,
     "typical_p": processors.typical_p_removed,
     "top_n_sigma": processors.top_n_sigma_removed,
