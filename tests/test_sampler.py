@@ -462,3 +462,23 @@ def test_sampler_output_reaches_the_host_with_one_sync():
     assert len(syncs) <= 1, [str(w.message) for w in syncs]
     assert lists == [t.tolist() for t in (expected.token_ids, expected.logprobs, expected.raw_logprobs,
                                           expected.top_token_ids, expected.top_logprobs)]
+
+
+def test_penalties_at_seen_tokens_only_match_the_dense_formulas():
+    """The repetition and presence/frequency penalties touch only the tokens a row has seen; the
+    values must equal the dense torch.where formulas bit for bit, rows of other penalties alike."""
+    from model_worker.sampling import penalties
+
+    torch.manual_seed(6)
+    logits = torch.randn(5, 3000) * 4
+    counts = torch.zeros(5, 3000)
+    counts[torch.randint(0, 5, (400,)), torch.randint(0, 3000, (400,))] += 1.0
+    counts[2] = 0.0  # a row that has seen nothing
+    penalty = torch.tensor([[1.1], [0.8], [1.5], [1.0], [2.0]])
+    presence, frequency = torch.tensor([[0.5], [-1.0], [2.0], [0.0], [0.3]]), torch.tensor([[0.2], [0.0], [1.0], [-0.5], [0.7]])
+
+    dense_repetition = torch.where(counts > 0, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+    dense_presence = logits - torch.where(counts > 0, counts * frequency + presence, 0.0)
+    assert torch.equal(penalties.apply_sign_aware_penalty(logits.clone(), counts > 0, penalty), dense_repetition)
+    assert torch.equal(penalties.apply_presence_frequency(logits.clone(), counts, presence, frequency), dense_presence)
+    assert not torch.equal(dense_repetition, logits) and torch.equal(dense_repetition[2], logits[2])

@@ -16,16 +16,23 @@ _FLOAT_MAX_LOG = 88.7228391
 
 def apply_presence_frequency(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
                              frequency: torch.Tensor) -> torch.Tensor:
-    """OpenAI: logit -= frequency * count + presence * (count > 0). counts [S, V] float32 of output
-    tokens, presence and frequency [S, 1]."""
-    return logits - torch.where(counts > 0, counts * frequency + presence, 0.0)
+    """OpenAI: logit -= frequency * count + presence * (count > 0), in place. counts [S, V] float32
+    of output tokens, presence and frequency [S, 1]."""
+    rows, ids = (counts > 0).nonzero(as_tuple=True)
+    logits[rows, ids] -= counts[rows, ids] * frequency[rows, 0] + presence[rows, 0]
+    return logits
 
 
 def apply_sign_aware_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """HF's RepetitionPenaltyLogitsProcessor rule: for seen tokens [S, V] bool, negative logits are
-    multiplied by penalty [S, 1] and the others divided by it, so the penalty always lowers them."""
-    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
-    return torch.where(seen, penalized, logits)
+    """HF's RepetitionPenaltyLogitsProcessor rule, in place: for seen tokens [S, V] bool, negative
+    logits are multiplied by penalty [S, 1] and the others divided by it, so the penalty always
+    lowers them."""
+    # Only at the seen tokens (a few hundred of a row's vocabulary): the same values as torch.where
+    # over [S, V], which took 4-8 ms at 32 x 49152 on 2 cores against ~0.7 ms.
+    rows, ids = seen.nonzero(as_tuple=True)
+    values, factor = logits[rows, ids], penalty[rows, 0]
+    logits[rows, ids] = torch.where(values < 0, values * factor, values / factor)
+    return logits
 
 
 def dry_max_exponent(base: float) -> int:
