@@ -31,7 +31,7 @@ MODES = {
     "greedy": SamplingParams(),
     "sample": SamplingParams(temperature=1.0, seed=1),
     # top_p alone, as OpenAI clients send it; on these random logits its cut lies thousands of
-    # tokens deep, so it runs the histogram band (processors.top_p_removed), not the top-64.
+    # tokens deep, so it settles in the histogram band (processors.top_p_removed), not the top-64.
     "top_p": SamplingParams(temperature=1.0, top_p=0.95, seed=1),
     # Every stage of the default chain at once, with logprobs.
     "full": SamplingParams(
@@ -58,12 +58,12 @@ def sync(device: torch.device) -> None:
 
 
 def time_mode(params: SamplingParams, batch: int, vocab: int, device: torch.device, min_seconds: float,
-              min_steps: int, argmax=None, gumbel_argmax=None) -> tuple[float, float]:
+              min_steps: int, argmax=None, gumbel_argmax=None, top_p_rows=None) -> tuple[float, float]:
     """-> (ms per step, ms to build the batch view from scratch: what a step pays when the batch's
     rows change, counts from token lists included)."""
     seqs = make_sequences(params, batch, vocab, prompt_len=64, history=32)
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(1)).to(device)  # [B, V]
-    sampler = Sampler(vocab, device, argmax, gumbel_argmax)
+    sampler = Sampler(vocab, device, argmax, gumbel_argmax, top_p_rows)
 
     def step() -> None:
         token_ids = sampler.sample(logits, seqs).token_ids.tolist()  # the engine's one host copy
@@ -103,7 +103,7 @@ def main() -> None:
     rows = []
     kernel = sampling_ops_module()
     header = ("| device | vocab | batch | greedy ms | greedy, C++ argmax ms | sample ms | sample, C++ draw ms | "
-              "top_p ms | full ms | full / greedy | "
+              "top_p ms | top_p, C++ ms | full ms | full / greedy | "
               "full / sample | full build ms |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -119,14 +119,18 @@ def main() -> None:
                                                        args.min_steps, kernel.argmax_rows)
                     ms["sample_kernel"], _ = time_mode(MODES["sample"], batch, vocab, device, args.min_seconds,
                                                        args.min_steps, kernel.argmax_rows, kernel.gumbel_argmax_rows)
+                    ms["top_p_kernel"], _ = time_mode(MODES["top_p"], batch, vocab, device, args.min_seconds,
+                                                      args.min_steps, kernel.argmax_rows, kernel.gumbel_argmax_rows,
+                                                      kernel.top_p_rows)
                 row = {"device": device.type, "vocab": vocab, "batch": batch, **{f"{k}_ms": v for k, v in ms.items()},
                        "full_build_ms": build["full"], "full_over_greedy": ms["full"] / ms["greedy"],
                        "full_over_sample": ms["full"] / ms["sample"]}
                 rows.append(row)
                 greedy_kernel = f"{ms['greedy_kernel']:.3f}" if "greedy_kernel" in ms else "-"
                 sample_kernel = f"{ms['sample_kernel']:.3f}" if "sample_kernel" in ms else "-"
+                top_p_kernel = f"{ms['top_p_kernel']:.3f}" if "top_p_kernel" in ms else "-"
                 print(f"| {device.type} | {vocab} | {batch} | {ms['greedy']:.3f} | {greedy_kernel} | "
-                      f"{ms['sample']:.3f} | {sample_kernel} | {ms['top_p']:.3f} | {ms['full']:.3f} | {row['full_over_greedy']:.1f}x | {row['full_over_sample']:.1f}x | "
+                      f"{ms['sample']:.3f} | {sample_kernel} | {ms['top_p']:.3f} | {top_p_kernel} | {ms['full']:.3f} | {row['full_over_greedy']:.1f}x | {row['full_over_sample']:.1f}x | "
                       f"{build['full']:.1f} |", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

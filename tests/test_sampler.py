@@ -358,7 +358,8 @@ def test_top_p_settled_from_a_few_tokens_keeps_what_the_full_sort_keeps(monkeypa
         ours = processors.top_p_removed(logits, p)
         assert not ours[trial % 9].any()  # p 1 keeps the whole row
         for row, token in (ours != expected).nonzero().tolist():  # only at the cut, by rounding
-            ascending, order = logits[row].sort(stable=True)
+            descending, order = logits[row].sort(descending=True, stable=True)  # the full sort's order
+            ascending, order = descending.flip(-1), order.flip(-1)
             cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)[(order == token).nonzero()[0, 0]]
             assert abs(cumulative.item() - (1 - p[row].item())) < 1e-5, (trial, row, token)
     assert min(settled_by.values()) > 0, settled_by

@@ -221,7 +221,8 @@ def assert_top_p_as_the_full_sort(remove: torch.Tensor, logits: torch.Tensor, p:
         return
     expected = processors._top_p_removed_by_full_sort(logits, p[:, None])
     for row, token in (remove != expected).nonzero().tolist():
-        ascending, order = logits[row].sort(stable=True)
+        descending, order = logits[row].sort(descending=True, stable=True)  # the full sort's order
+        ascending, order = descending.flip(-1), order.flip(-1)
         cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)[(order == token).nonzero()[0, 0]]
         assert abs(cumulative.item() - (1 - p[row].item())) < 1e-5, (row, token)
 
