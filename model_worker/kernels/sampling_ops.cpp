@@ -83,14 +83,20 @@ int64_t argmax_row(const float* x, int64_t V) {
 }
 #endif
 
-// logits [S, V] float32, rows contiguous -> [S] int64.
-torch::Tensor argmax_rows(const torch::Tensor& logits) {
+// What every op here reads: float32 logits [S, V] on the CPU, each row contiguous, V in [1, 2^31 - 1).
+void check_logits(const torch::Tensor& logits) {
   TORCH_CHECK(vectorized(), "built without AVX-512");
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   (logits.size(1) == 1 || logits.stride(1) == 1),
               "logits must be a float32 CPU tensor [S, V] with contiguous rows");
-  const int64_t S = logits.size(0), V = logits.size(1);
+  const int64_t V = logits.size(1);
   TORCH_CHECK(V >= 1 && V < std::numeric_limits<int32_t>::max(), "V must be in [1, 2^31 - 1), got ", V);
+}
+
+// logits [S, V] float32, rows contiguous -> [S] int64.
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  check_logits(logits);
+  const int64_t S = logits.size(0), V = logits.size(1);
   auto out = torch::empty({S}, logits.options().dtype(at::kLong));
 #ifdef TOKENWIRE_SAMPLING_OPS
   const float* x = logits.data_ptr<float>();
@@ -123,6 +129,20 @@ inline __m512 gumbel16(__m512 u) {
   return _mm512_sub_ps(_mm512_setzero_ps(), tokenwire::log_ps(_mm512_sub_ps(_mm512_setzero_ps(), tokenwire::log_ps(u))));
 }
 
+// The row's largest value (NaN ignored); nan_seen: whether it holds a NaN.
+float row_max(const float* x, int64_t V, bool& nan_seen) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 top = minus_inf;
+  __mmask16 nan = 0;
+  for (int64_t k = 0; k < V; k += 16) {
+    const __m512 v = _mm512_mask_loadu_ps(minus_inf, tokenwire::lanes(V - k), x + k);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_max_ps(v, top);
+  }
+  nan_seen = nan != 0;
+  return _mm512_reduce_max_ps(top);
+}
+
 // The largest noise there is (u = 1 - 2^-24, ~16.6), as this file computes it.
 float gumbel_max() {
   return _mm512_cvtss_f32(gumbel16(_mm512_set1_ps(1.0f - 1.0f / (1 << 24))));
@@ -131,13 +151,8 @@ float gumbel_max() {
 int64_t gumbel_argmax_row(const float* x, int64_t V, int32_t key, const int32_t* columns, float g_max) {
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   // First pass: the largest logit (and NaN, which wins as in torch).
-  __m512 top = minus_inf;
-  __mmask16 nan_seen = 0;
-  for (int64_t k = 0; k < V; k += 16) {
-    const __m512 v = _mm512_mask_loadu_ps(minus_inf, tokenwire::lanes(V - k), x + k);
-    nan_seen |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    top = _mm512_max_ps(v, top);
-  }
+  bool nan_seen = false;
+  const float largest = row_max(x, V, nan_seen);
   if (nan_seen) {
     for (int64_t k = 0; k < V; ++k)
       if (std::isnan(x[k])) return k;
@@ -146,7 +161,6 @@ int64_t gumbel_argmax_row(const float* x, int64_t V, int32_t key, const int32_t*
   // Any token below `floor` scores less than some token already scored, so it cannot win. It
   // starts at the largest logit's least score (u's smallest value) and rises with the best score
   // seen; the margin covers the sums' rounding.
-  const float largest = _mm512_reduce_max_ps(top);
   const float g_min = _mm512_cvtss_f32(gumbel16(_mm512_set1_ps(0.5f / (1 << 24))));
   auto floor_below = [&](float score) {
     return std::isfinite(score) ? score - g_max - (1e-2f + 1e-4f * std::fabs(score)) : score;
@@ -181,12 +195,8 @@ int64_t gumbel_argmax_row(const float* x, int64_t V, int32_t key, const int32_t*
 // logits [S, V] float32 with contiguous rows, keys [S] int32, columns [V] int32 -> [S] int64:
 // argmax(logits + gumbel_noise(keys, columns), dim=-1) as counter_random.py computes it.
 torch::Tensor gumbel_argmax_rows(const torch::Tensor& logits, const torch::Tensor& keys, const torch::Tensor& columns) {
-  TORCH_CHECK(vectorized(), "built without AVX-512");
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-                  (logits.size(1) == 1 || logits.stride(1) == 1),
-              "logits must be a float32 CPU tensor [S, V] with contiguous rows");
+  check_logits(logits);
   const int64_t S = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V >= 1 && V < std::numeric_limits<int32_t>::max(), "V must be in [1, 2^31 - 1), got ", V);
   TORCH_CHECK(keys.device().is_cpu() && keys.scalar_type() == at::kInt && keys.dim() == 1 && keys.size(0) == S &&
                   keys.is_contiguous(),
               "keys must be a contiguous int32 CPU tensor [S]");
@@ -229,14 +239,8 @@ struct BandToken {
 bool top_p_row(const float* x, int64_t V, double p, bool* remove, std::vector<float>& mass,
                std::vector<double>& hist, std::vector<int32_t>& count, std::vector<BandToken>& band) {
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 top16 = minus_inf;
-  __mmask16 nan_seen = 0;
-  for (int64_t k = 0; k < V; k += 16) {
-    const __m512 v = _mm512_mask_loadu_ps(minus_inf, tokenwire::lanes(V - k), x + k);
-    nan_seen |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    top16 = _mm512_max_ps(v, top16);
-  }
-  const float top = _mm512_reduce_max_ps(top16);
+  bool nan_seen = false;
+  const float top = row_max(x, V, nan_seen);
   if (nan_seen || !std::isfinite(top)) return false;
   const __m512 top_v = _mm512_set1_ps(top);
   std::fill(hist.begin(), hist.end(), 0.0);
@@ -315,12 +319,8 @@ bool top_p_row(const float* x, int64_t V, double p, bool* remove, std::vector<fl
 // logits [S, V] float32 with contiguous rows, p [S] float64 in (0, 1) -> (remove [S, V] bool,
 // settled [S] bool): top_p's mask where settled; unsettled rows are left to the caller.
 std::tuple<torch::Tensor, torch::Tensor> top_p_rows(const torch::Tensor& logits, const torch::Tensor& p) {
-  TORCH_CHECK(vectorized(), "built without AVX-512");
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
-                  (logits.size(1) == 1 || logits.stride(1) == 1),
-              "logits must be a float32 CPU tensor [S, V] with contiguous rows");
+  check_logits(logits);
   const int64_t S = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V >= 1 && V < std::numeric_limits<int32_t>::max(), "V must be in [1, 2^31 - 1), got ", V);
   TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kDouble && p.dim() == 1 && p.size(0) == S &&
                   p.is_contiguous(),
               "p must be a contiguous float64 CPU tensor [S]");
