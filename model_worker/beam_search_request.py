@@ -24,6 +24,20 @@ from model_worker.sequence import FinishReason, SamplingParams
 MAX_ABS_LENGTH_PENALTY = 10.0
 
 
+def unsupported_settings(p: SamplingParams) -> list[str]:
+    """The names of the request's settings that beam search's rounds would not apply."""
+    active = {
+        "min_p": p.min_p > 0.0, "typical_p": p.typical_p < 1.0, "top_n_sigma": p.top_n_sigma > 0.0,
+        "xtc_probability": p.xtc_probability > 0.0, "dry_multiplier": p.dry_multiplier > 0.0,
+        "mirostat": p.mirostat != 0, "presence_penalty": p.presence_penalty != 0.0,
+        "frequency_penalty": p.frequency_penalty != 0.0, "repetition_penalty": p.repetition_penalty != 1.0,
+        "repeat_penalty": p.repeat_penalty != 1.0, "logit_bias": bool(p.logit_bias), "min_tokens": p.min_tokens > 0,
+        "bad_words": bool(p.bad_words), "allowed_token_ids": bool(p.allowed_token_ids),
+        "prompt_logprobs": p.prompt_logprobs is not None,
+    }
+    return [name for name, on in active.items() if on]
+
+
 class BeamSearchRequest:
     def __init__(self, engine: LLMEngine, new_seq_id: Callable[[], int], request_seq_id: int,
                  prompt_token_ids: list[int], sampling: SamplingParams, max_tokens: int,
@@ -42,6 +56,10 @@ class BeamSearchRequest:
         if not sampling.greedy or sampling.top_k > 0 or sampling.top_p < 1.0:
             raise RequestRejected(invalid, "beam search is deterministic: temperature must be 0 and top_k/top_p "
                                            "unset")
+        # Its rounds run with default settings, so any setting that would change the logits (or
+        # ask for more than the beams' logprobs) would be dropped without a word: refuse it instead.
+        if ignored := unsupported_settings(sampling):
+            raise RequestRejected(invalid, f"beam search does not support {', '.join(ignored)}")
         if not 0.0 <= diversity_penalty < math.inf:  # NaN too
             raise RequestRejected(invalid, f"diversity_penalty must be finite and >= 0, not {diversity_penalty}")
         if not abs(length_penalty) <= MAX_ABS_LENGTH_PENALTY:  # NaN too

@@ -128,6 +128,23 @@ def test_beam_search_rejects_sampling_knobs(tiny_model_dir):
         run_beam(engine, [1, 2, 3], max_tokens=4, n=3, best_of=2)
 
 
+@pytest.mark.parametrize("setting", [
+    {"min_p": 0.1}, {"typical_p": 0.9}, {"top_n_sigma": 1.0}, {"xtc_probability": 0.5}, {"dry_multiplier": 0.8},
+    {"mirostat": 2}, {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}, {"repetition_penalty": 1.2},
+    {"repeat_penalty": 1.1}, {"logit_bias": ((5, 3.0),)}, {"min_tokens": 3}, {"bad_words": ((5,),)},
+    {"allowed_token_ids": (1, 2)}, {"prompt_logprobs": 0},
+])
+def test_beam_search_refuses_settings_its_rounds_would_drop(tiny_model_dir, setting):
+    engine = make_engine(tiny_model_dir)
+    (name,) = setting
+    with pytest.raises(RequestRejected, match=f"beam search does not support {name}"):
+        run_beam(engine, [1, 2, 3], sampling=SamplingParams(**setting), max_tokens=4, n=1, best_of=2)
+    assert not engine.has_work()
+    # logprobs and their count are what beam search reports, so they stay allowed.
+    run_beam(engine, [1, 2, 3], sampling=SamplingParams(logprobs=True, top_logprobs=2, seed=3), max_tokens=2, n=1,
+             best_of=2)
+
+
 def test_a_first_round_the_queue_cannot_take_whole_leaves_nothing_behind(tiny_model_dir):
     # With a diversity penalty the first round has a request per beam; a waiting queue of 2
     # takes two of the four, refuses the third, and the two it took must go too.
