@@ -365,8 +365,11 @@ class Pipeline:
             code = error.code().name if isinstance(error, grpc.aio.AioRpcError) else "STREAM_ENDED"
             self.metrics.model_worker_rpc_errors.labels(worker=replica.address, rpc="Generate", code=code).inc()
         for request in list(self._live.values()):
-            if request.model is not replica:
-                continue  # other replicas carry on
+            if request.model is not replica or request.model_finished:
+                # Other replicas carry on; a request whose every output has ended on the model
+                # worker only waits for its last text from the detok worker (a draining worker
+                # ends its streams right after their requests' last frames).
+                continue
             request.model_finished = True  # the lost stream took the request with it
             self._fail(request, workers_unavailable(f"lost the model worker stream ({replica.address}): {error}"))
 

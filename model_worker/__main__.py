@@ -111,7 +111,7 @@ async def serve(config: Config) -> None:
         await grpc_server.mark_serving(health, [SERVICE_NAME])
         await grpc_server.serve_until_signal(
             server, config.address, config.drain_grace_s, config.tls, health,
-            drained=lambda: grpc_server.wait_until(servicer.is_drained))
+            drained=lambda: grpc_server.wait_until(servicer.is_drained), draining=servicer.begin_drain)
     finally:
         await loop.stop()
 

@@ -158,6 +158,12 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         self.model_info = model_info
         self._streams: set[StreamOutbox] = set()  # of the open Generate calls
 
+    def begin_drain(self) -> None:
+        """On SIGTERM: each Generate call ends (status OK) once its requests have, as when its
+        client closes its side, so that its last frames go out before the server cancels calls."""
+        for outbox in self._streams:
+            outbox.queue.put_nowait(_STREAM_CLOSED)
+
     def is_drained(self) -> bool:
         """Nothing left to send: no request of any open stream is live, and no output of one
         waits in its queue or is being framed. The engine having no work is not enough: its last

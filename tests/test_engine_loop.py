@@ -304,6 +304,37 @@ def test_drained_only_once_the_last_output_is_framed():
     assert not servicer.is_drained()  # the engine still has work (say, a closed stream's abort)
 
 
+def test_drain_ends_each_generate_call_once_its_requests_have():
+    """SIGTERM's begin_drain: an open Generate call whose client keeps its side open sends its
+    requests' last frames and then ends by itself (status OK), so the server's final cancel finds
+    nothing unsent; before, the call stayed open until that cancel, which could drop its last frame."""
+
+    async def scenario() -> list[pb.TokenFrame]:
+        loop = EngineLoop(ScriptedEngine(step_s=0.01))
+        loop.start()
+        servicer = ModelWorkerServicer(loop, pb.ModelInfo())
+        client_open = asyncio.Event()  # never set: the client does not close its side
+
+        async def requests():
+            yield pb.RequestFrame(adds=[pb.AddRequest(request_id="r", prompt_token_ids=[1, 2], max_tokens=5)])
+            await client_open.wait()
+
+        frames: list[pb.TokenFrame] = []
+        try:
+            call = servicer.Generate(requests(), None)
+            frames.append(await anext(call))
+            servicer.begin_drain()
+            async for frame in call:  # ends without a cancel once "r" has finished
+                frames.append(frame)
+        finally:
+            await loop.stop()
+        return frames
+
+    frames = asyncio.run(asyncio.wait_for(scenario(), 10))
+    last = [seq for frame in frames for seq in frame.sequences][-1]
+    assert last.request_id == "r" and last.finish_reason == pb.FINISH_REASON_LENGTH and last.num_output_tokens == 5
+
+
 def test_a_process_that_never_calls_stop_still_exits():
     """A startup error after start() must not leave the engine thread holding the process."""
     script = (

@@ -127,6 +127,29 @@ async def test_an_index_beyond_n_is_a_worker_fault(pipeline: Pipeline) -> None:
         await asyncio.wait_for(pending, 5)
 
 
+async def test_losing_the_model_stream_fails_only_requests_it_had_not_finished(pipeline: Pipeline) -> None:
+    """A draining model worker ends its stream right after its requests' last frames; one whose
+    outputs all ended there only waits for its last text from the detok worker, and completes."""
+    done_events, cut_events = [], []
+
+    async def consume(generator, events) -> None:
+        async for _, event in generator:
+            events.append((event.text, event.finish_reason))
+
+    done = asyncio.create_task(consume(pipeline.generate([1], GenerationParams(n=1)), done_events))
+    cut = asyncio.create_task(consume(pipeline.generate([2], GenerationParams(n=1)), cut_events))
+    await asyncio.sleep(0)
+    done_id, cut_id = [add.request_id for add in pipeline.model._take_frame().adds]
+    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(done_id, 0, [5], LENGTH),
+                                                                    tokens(cut_id, 0, [6])]))
+    pipeline._on_model_lost(pipeline.model, RuntimeError("model worker ended the stream"))
+    with pytest.raises(APIError, match="lost the model worker stream"):
+        await asyncio.wait_for(cut, 5)
+    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(f"{done_id}-0", "hi", finished=True)]))
+    await asyncio.wait_for(done, 5)
+    assert done_events == [("hi", "length")] and pipeline.num_live_requests == 0
+
+
 async def test_a_request_that_cannot_be_forwarded_fails_alone(pipeline: Pipeline) -> None:
     # A stop string protobuf cannot encode (the gateway's validation refuses these; this is
     # the line behind it): its OpenSequence fails, the frame's other request goes on.

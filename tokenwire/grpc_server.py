@@ -119,15 +119,23 @@ async def mark_serving(health_servicer: health.aio.HealthServicer, full_service_
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
+# After a drain, how long calls get to end on their own before the server cancels them.
+FLUSH_S = 0.5
+
+
 async def serve_until_signal(server: grpc.aio.Server, address: str, grace_s: float = DEFAULT_GRACE_S,
                              tls: ServerTLS | None = None,
                              health_servicer: health.aio.HealthServicer | None = None,
-                             drained: Callable[[], Awaitable[None]] | None = None) -> None:
+                             drained: Callable[[], Awaitable[None]] | None = None,
+                             draining: Callable[[], None] | None = None) -> None:
     """Binds address (TLS when given), starts, and drains on SIGINT/SIGTERM.
 
     Drain: health turns NOT_SERVING (readiness probes and load balancers stop sending), new
-    calls are refused, and open calls get up to grace_s; `drained` (e.g. "the engine has no
-    running request") ends the wait early, since a multiplexed stream never ends on its own.
+    calls are refused, `draining()` is told, and open calls get up to grace_s; `drained` (e.g.
+    "the engine has no running request") ends the wait early, since a multiplexed stream never
+    ends on its own. Calls then get FLUSH_S more to end on their own (their last messages may
+    still be on their way out: cancelling a call drops what it has not sent) before the rest
+    (health watches, streams that stay open) is cancelled.
     """
     add_port(server, address, tls)
     await server.start()
@@ -146,12 +154,16 @@ async def serve_until_signal(server: grpc.aio.Server, address: str, grace_s: flo
         if health_servicer is not None:
             await health_servicer.enter_graceful_shutdown()
         stopping = asyncio.create_task(server.stop(grace_s))
+        if draining is not None:
+            draining()
         if drained is not None:
             try:
                 await asyncio.wait_for(drained(), grace_s)
                 logger.info("drained in %.2fs", time.monotonic() - started)
+                await asyncio.wait_for(asyncio.shield(stopping), FLUSH_S)
             except asyncio.TimeoutError:
-                logger.warning("grace period over with work still running; cancelling it")
+                if time.monotonic() - started >= grace_s:
+                    logger.warning("grace period over with work still running; cancelling it")
             await server.stop(0)  # cancels what is left now instead of at the end of the grace
         await stopping
     waiter.cancel()
