@@ -17,17 +17,12 @@ from tokenwire.grpc_server import (
     mark_serving,
     new_server,
     serve_until_signal,
-    wait_until,
+    wait_quiet,
 )
 from tokenwire.sched_slice import use_serving_slice
 from tokenwire.v1 import detok_worker_pb2_grpc
 
 logger = logging.getLogger("detok_worker")
-
-
-# A drain ends once no sequence has been open for this long, not at the first idle instant: a
-# gateway that has not yet seen NOT_SERVING may still be opening one here.
-DRAIN_QUIET_S = 0.25
 
 
 async def serve(config: Config) -> None:
@@ -38,15 +33,9 @@ async def serve(config: Config) -> None:
     await mark_serving(health_servicer, [SERVICE_FULL_NAME])
     logger.info("detok worker serving %s on %s", SERVICE_FULL_NAME, config.address)
 
-    async def drained() -> None:
-        while True:
-            await wait_until(servicer.is_drained)
-            await asyncio.sleep(DRAIN_QUIET_S)
-            if servicer.is_drained():
-                return
-
+    # Ends once no sequence has been open for DRAIN_QUIET_S.
     await serve_until_signal(server, config.address, config.drain_grace_s, config.tls, health_servicer,
-                             drained=drained)
+                             drained=lambda: wait_quiet(servicer.is_drained))
 
 
 def main() -> None:

@@ -85,6 +85,14 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
     return engine, model_dir, hf_config, eos_ids
 
 
+async def drain(servicer: ModelWorkerServicer) -> None:
+    """The drain's end: once no request has run for DRAIN_QUIET_S (a gateway that has not yet seen
+    NOT_SERVING may still be adding one), each Generate call is ended so its last frames go out
+    before the server cancels calls."""
+    await grpc_server.wait_quiet(servicer.is_drained)
+    servicer.begin_drain()
+
+
 async def serve(config: Config) -> None:
     # Built on the thread that will run its steps, so torch has one OpenMP team (see new_engine_thread).
     engine_thread = new_engine_thread()
@@ -111,7 +119,7 @@ async def serve(config: Config) -> None:
         await grpc_server.mark_serving(health, [SERVICE_NAME])
         await grpc_server.serve_until_signal(
             server, config.address, config.drain_grace_s, config.tls, health,
-            drained=lambda: grpc_server.wait_until(servicer.is_drained), draining=servicer.begin_drain)
+            drained=lambda: drain(servicer))
     finally:
         await loop.stop()
 

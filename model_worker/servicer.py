@@ -159,8 +159,8 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         self._streams: set[StreamOutbox] = set()  # of the open Generate calls
 
     def begin_drain(self) -> None:
-        """On SIGTERM: each Generate call ends (status OK) once its requests have, as when its
-        client closes its side, so that its last frames go out before the server cancels calls."""
+        """At a drain's end: each Generate call ends (status OK) once its requests have, as when
+        its client closes its side, so that its last frames go out before the server cancels calls."""
         for outbox in self._streams:
             outbox.queue.put_nowait(_STREAM_CLOSED)
 

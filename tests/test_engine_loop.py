@@ -335,6 +335,22 @@ def test_drain_ends_each_generate_call_once_its_requests_have():
     assert last.request_id == "r" and last.finish_reason == pb.FINISH_REASON_LENGTH and last.num_output_tokens == 5
 
 
+def test_a_drain_waits_for_a_quiet_time_not_an_idle_instant():
+    """grpc_server.wait_quiet, both workers' drain: idle, then work again within the quiet time
+    (a gateway that had not seen NOT_SERVING yet), then idle across a whole quiet time."""
+    from tokenwire.grpc_server import wait_quiet
+
+    answers = iter([True, False, True, True])
+    calls = []
+
+    def idle() -> bool:
+        calls.append(1)
+        return next(answers)
+
+    asyncio.run(asyncio.wait_for(wait_quiet(idle, quiet_s=0.01), 5))
+    assert len(calls) == 4
+
+
 def test_a_process_that_never_calls_stop_still_exits():
     """A startup error after start() must not leave the engine thread holding the process."""
     script = (

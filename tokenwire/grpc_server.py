@@ -126,16 +126,15 @@ FLUSH_S = 0.5
 async def serve_until_signal(server: grpc.aio.Server, address: str, grace_s: float = DEFAULT_GRACE_S,
                              tls: ServerTLS | None = None,
                              health_servicer: health.aio.HealthServicer | None = None,
-                             drained: Callable[[], Awaitable[None]] | None = None,
-                             draining: Callable[[], None] | None = None) -> None:
+                             drained: Callable[[], Awaitable[None]] | None = None) -> None:
     """Binds address (TLS when given), starts, and drains on SIGINT/SIGTERM.
 
     Drain: health turns NOT_SERVING (readiness probes and load balancers stop sending), new
-    calls are refused, `draining()` is told, and open calls get up to grace_s; `drained` (e.g.
-    "the engine has no running request") ends the wait early, since a multiplexed stream never
-    ends on its own. Calls then get FLUSH_S more to end on their own (their last messages may
-    still be on their way out: cancelling a call drops what it has not sent) before the rest
-    (health watches, streams that stay open) is cancelled.
+    calls are refused, and open calls get up to grace_s; `drained` (e.g. "the engine has no
+    running request") ends the wait early, since a multiplexed stream never ends on its own.
+    Calls then get FLUSH_S more to end on their own (their last messages may still be on their
+    way out: cancelling a call drops what it has not sent) before the rest (health watches,
+    streams that stay open) is cancelled.
     """
     add_port(server, address, tls)
     await server.start()
@@ -154,8 +153,6 @@ async def serve_until_signal(server: grpc.aio.Server, address: str, grace_s: flo
         if health_servicer is not None:
             await health_servicer.enter_graceful_shutdown()
         stopping = asyncio.create_task(server.stop(grace_s))
-        if draining is not None:
-            draining()
         if drained is not None:
             try:
                 await asyncio.wait_for(drained(), grace_s)
@@ -174,3 +171,17 @@ async def wait_until(predicate: Callable[[], bool], poll_s: float = 0.05) -> Non
     """Returns once predicate() is true; a `drained` hook for serve_until_signal."""
     while not predicate():
         await asyncio.sleep(poll_s)
+
+
+# A drain ends once nothing has run for this long, not at the first idle instant: a gateway that
+# has not yet seen NOT_SERVING may still be sending work.
+DRAIN_QUIET_S = 0.25
+
+
+async def wait_quiet(predicate: Callable[[], bool], quiet_s: float = DRAIN_QUIET_S) -> None:
+    """Returns once predicate() has held at the start and the end of quiet_s (see DRAIN_QUIET_S)."""
+    while True:
+        await wait_until(predicate)
+        await asyncio.sleep(quiet_s)
+        if predicate():
+            return
