@@ -8,6 +8,7 @@ configured (grpc_tls), and drain the same way on SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -156,11 +157,12 @@ async def serve_until_signal(server: grpc.aio.Server, address: str, grace_s: flo
         if drained is not None:
             try:
                 await asyncio.wait_for(drained(), grace_s)
-                logger.info("drained in %.2fs", time.monotonic() - started)
-                await asyncio.wait_for(asyncio.shield(stopping), FLUSH_S)
             except asyncio.TimeoutError:
-                if time.monotonic() - started >= grace_s:
-                    logger.warning("grace period over with work still running; cancelling it")
+                logger.warning("grace period over with work still running; cancelling it")
+            else:
+                logger.info("drained in %.2fs", time.monotonic() - started)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(stopping), FLUSH_S)
             await server.stop(0)  # cancels what is left now instead of at the end of the grace
         await stopping
     waiter.cancel()

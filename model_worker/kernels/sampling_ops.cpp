@@ -183,8 +183,7 @@ int64_t gumbel_argmax_row(const float* x, int64_t V, int32_t key, const int32_t*
     if (!greater) continue;
     best = _mm512_mask_mov_ps(best, greater, score);
     best_index = _mm512_mask_mov_epi32(best_index, greater, index);
-    const float seen = _mm512_reduce_max_ps(best);
-    if (floor_below(seen) > floor) floor = floor_below(seen);
+    floor = std::max(floor, floor_below(_mm512_reduce_max_ps(best)));
   }
   const float winner = _mm512_reduce_max_ps(best);
   const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(winner), _CMP_EQ_OQ);

@@ -116,7 +116,12 @@ def _top_p_cut(candidate_probs: torch.Tensor, mass_above: torch.Tensor, total: t
     candidate, in ascending order, is the row's float64 total less what lies above it, rounded."""
     candidate_probs = candidate_probs.double()
     above = mass_above + candidate_probs.cumsum(dim=-1) - candidate_probs
-    return (total - above).to(torch.float32) <= (1.0 - p.double()).to(torch.float32)
+    return _dropped(total - above, p)
+
+
+def _dropped(cumulative: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """transformers' test on a float64 cumulative mass: rounded to float32, <= 1 - p (rounded from float64)."""
+    return cumulative.to(torch.float32) <= (1.0 - p.double()).to(torch.float32)
 
 
 def _top_p_removed_among_largest(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,8 +177,8 @@ def _top_p_removed_in_band(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch
     band_probs = torch.where(padding, 0.0, probs.gather(-1, band_ids))
     remove_band = _top_p_cut(band_probs, mass_above, total, p)
     remove_band[:, 0] &= first[:, 0] > 0  # the row's top token always stays
-    below = (total - mass_above - band_probs.double().sum(dim=-1, keepdim=True)).to(torch.float32)
-    settled = usable & ~remove_band[:, 0] & (below <= (1.0 - p.double()).to(torch.float32))[:, 0]
+    below_dropped = _dropped(total - mass_above - band_probs.double().sum(dim=-1, keepdim=True), p)[:, 0]
+    settled = usable & ~remove_band[:, 0] & below_dropped
     remove_band = torch.where(padding, remove_band[:, :1], remove_band)
     return (bins > last).scatter_(-1, band_ids, remove_band), settled
 
