@@ -178,7 +178,8 @@ class EngineLoop:
         self._owners: dict[int, tuple[StreamOutbox, str]] = {}
         self._lock = threading.Lock()  # guards the three _pending_* lists
         self._pending_adds: list[tuple[StreamOutbox, int, NewRequest]] = []
-        self._pending_aborts: list[int] = []
+        # seq_id, and the failure to end it with (None: a client's abort, ended FINISH_REASON_ABORT)
+        self._pending_aborts: list[tuple[int, RequestFailure | None]] = []
         # (seq_id, output indexes): aborts of some of a request's n outputs
         self._pending_output_aborts: list[tuple[int, set[int]]] = []
         self._beam_requests: dict[int, BeamSearchRequest] = {}  # by the request's seq_id
@@ -262,20 +263,21 @@ class EngineLoop:
             return
         self._queue_pending(self._pending_adds, (outbox, seq_id, request))
 
-    def _abort_compiling(self, seq_id: int) -> bool:
+    def _abort_compiling(self, seq_id: int, failure: RequestFailure | None) -> bool:
         entry = self._compiling.pop(seq_id, None)
         if entry is None:
             return False
         outbox, request = entry
         outbox.live.pop(request.request_id, None)
-        outbox.queue.put_nowait((request.request_id, SequenceOutput(
+        outbox.queue.put_nowait(failure or (request.request_id, SequenceOutput(
             seq_id, None, finish_reason=FinishReason.ABORT, request_finished=True)))
         return True
 
-    def abort(self, outbox: StreamOutbox, request_id: str) -> None:
+    def abort(self, outbox: StreamOutbox, request_id: str, failure: RequestFailure | None = None) -> None:
+        """Ends a live request: with FINISH_REASON_ABORT, or with `failure` as its last frame."""
         seq_id = outbox.live.get(request_id)
-        if seq_id is not None and not self._abort_compiling(seq_id):
-            self._queue_pending(self._pending_aborts, seq_id)
+        if seq_id is not None and not self._abort_compiling(seq_id, failure):
+            self._queue_pending(self._pending_aborts, (seq_id, failure))
 
     def abort_outputs(self, outbox: StreamOutbox, request_id: str, indexes: set[int]) -> None:
         """Ends some of a request's n outputs (see AbortRequest.indexes); the others go on."""
@@ -350,9 +352,9 @@ class EngineLoop:
                 self._emit(outbox, RequestFailure(req.request_id, grpc.StatusCode.INTERNAL,
                                                   "adding the request failed; see the model worker's log"),
                            (req.request_id, seq_id))
-        for seq_id in aborts:
+        for seq_id, failure in aborts:
             owner = self._owners.pop(seq_id, None)
-            if owner is None:  # already finished, or aborted twice
+            if owner is None:  # already finished (or refused at admission), or aborted twice
                 continue
             outbox, request_id = owner
             beam_request = self._beam_requests.pop(seq_id, None)
@@ -362,6 +364,9 @@ class EngineLoop:
                 outputs = beam_request.abort()
             else:
                 outputs = self.engine.abort_request(seq_id)
+            if failure is not None:
+                self._emit(outbox, failure, (request_id, seq_id))
+                continue
             for out in outputs:
                 self._emit(outbox, (request_id, out), (request_id, seq_id))
         for seq_id, indexes in output_aborts:

@@ -224,9 +224,13 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                         outbox.queue.put_nowait(RequestFailure(
                             add.request_id, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty"))
                     elif add.request_id in outbox.live:
-                        outbox.queue.put_nowait(RequestFailure(
+                        # Frames name requests by id alone, so a refusal under the id would read as
+                        # the live request's end while its tokens still came: it ends too, and this
+                        # error is the one last frame of the id.
+                        self.loop.abort(outbox, add.request_id, RequestFailure(
                             add.request_id, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"request_id {add.request_id!r} is already live on this stream"))
+                            f"request_id {add.request_id!r} was added again while live on this stream; "
+                            "that request is ended too"))
                     else:
                         self.loop.add(outbox, NewRequest(
                             request_id=add.request_id,

@@ -156,6 +156,45 @@ async def test_rejected_and_aborted_requests_end_once(started):
     assert outbox.queue.empty()
 
 
+async def test_a_request_ended_with_a_failure_gets_it_as_its_one_last_item(started):
+    """What a second add of a live request_id does (servicer): the live request ends with the
+    failure in place of its abort output, after its tokens and with none after it."""
+    engine = ScriptedEngine(step_s=0.002)
+    loop = started(engine)
+    outbox = StreamOutbox()
+    loop.add(outbox, new_request("running", 10_000))
+    while engine.steps < 3:  # it has made tokens
+        await asyncio.sleep(0.002)
+    failure = RequestFailure("running", grpc.StatusCode.INVALID_ARGUMENT, "added again")
+    loop.abort(outbox, "running", failure)
+    loop.abort(outbox, "running", failure)  # a third add before the first end lands: nothing more
+    items = (await collect(outbox, {"running"}))["running"]
+    assert items[-1] is failure
+    assert items[:-1] and all(isinstance(o, SequenceOutput) and not o.request_finished for o in items[:-1])
+    await asyncio.sleep(0.05)
+    assert outbox.queue.empty() and not outbox.live and not engine.live
+
+
+async def test_a_compiling_request_ended_with_a_failure_never_runs():
+    engine = ScriptedEngine(step_s=0.001)
+    compiler = ControlledCompiler()
+    loop = EngineLoop(engine, compiler)
+    loop.start()
+    try:
+        outbox = StreamOutbox()
+        request = new_request("constrained", 10_000)
+        request.constraint = Constraint("regex", "a+")
+        loop.add(outbox, request)
+        failure = RequestFailure("constrained", grpc.StatusCode.INVALID_ARGUMENT, "added again")
+        loop.abort(outbox, "constrained", failure)
+        compiler.futures[0].set_result(object())
+        assert (await collect(outbox, {"constrained"}))["constrained"] == [failure]
+        await asyncio.sleep(0.05)
+        assert outbox.queue.empty() and not outbox.live and engine.steps == 0
+    finally:
+        await loop.stop()
+
+
 async def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(started):
     engine = ScriptedEngine()
     loop = started(engine)
