@@ -53,6 +53,8 @@ class _LiveRequest:
     model_finished: bool = False
     # Replicas that refused it as full before it ran anywhere.
     models_full: list[ModelWorkerClient] = field(default_factory=list)
+    # Some SequenceTokens of it came from a model worker (until then a lost replica loses nothing of it).
+    model_replied: bool = False
 
 
 class Pipeline:
@@ -215,11 +217,16 @@ class Pipeline:
         other = self.model_workers.pick(exclude=request.models_full)
         if other is None:
             return True  # every replica is full: the 429 goes to the client
-        replica.num_sequences -= len(request.states)
+        self._add_on(request, other)
+        return False
+
+    @staticmethod
+    def _add_on(request: _LiveRequest, other: ModelWorkerClient) -> None:
+        """Moves a request that has not run (or whose replica is gone) to `other`, from the start."""
+        request.model.num_sequences -= len(request.states)
         other.num_sequences += len(request.states)
         request.model = other
         other.add(add_request(request.request_id, request.prompt_token_ids, request.params))
-        return False
 
     def _on_token_frame(self, frame: model_worker_pb2.TokenFrame) -> None:
         """Records every sequence's tokens and forwards them as one DetokenizeFrame per replica."""
@@ -230,6 +237,7 @@ class Pipeline:
             request = self._live.get(seq.request_id)
             if request is None:
                 continue  # aborted or ended by stop strings; the worker has not heard yet
+            request.model_replied = True
             try:
                 self._take_sequence_tokens(request, seq, opens, tokens, rows)
             except Exception as exc:
@@ -370,8 +378,22 @@ class Pipeline:
                 # worker only waits for its last text from the detok worker (a draining worker
                 # ends its streams right after their requests' last frames).
                 continue
+            if self._move_unanswered(request, replica):
+                continue
             request.model_finished = True  # the lost stream took the request with it
             self._fail(request, workers_unavailable(f"lost the model worker stream ({replica.address}): {error}"))
+
+    def _move_unanswered(self, request: _LiveRequest, lost: ModelWorkerClient) -> bool:
+        """Adds a request the lost replica never answered (queued there, or racing its drain) to
+        another replica: nothing of it reached the client, so it runs there from the start rather
+        than fail with 503. False where it has been answered or no other replica is connected."""
+        if request.model_replied:
+            return False
+        other = self.model_workers.pick(exclude=[lost, *request.models_full])
+        if other is None:
+            return False
+        self._add_on(request, other)
+        return True
 
     def _move_unopened(self, request: _LiveRequest) -> bool:
         """Moves a request still waiting for its first token (no detok sequence opened yet) to

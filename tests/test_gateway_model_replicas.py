@@ -63,6 +63,7 @@ class FakeModelWorker(model_worker_pb2_grpc.ModelWorkerServicer):
         self.aborts: list[str] = []
         self.refused: list[str] = []
         self.running: dict[str, list[int]] = {}  # request_id -> [tokens sent, max_tokens]
+        self.hold = False  # keep added requests waiting: no tokens until it is cleared
 
     async def GetModelInfo(self, request, context):
         return self.info
@@ -96,6 +97,8 @@ class FakeModelWorker(model_worker_pb2_grpc.ModelWorkerServicer):
                 sequences = refusals[:]
                 refusals.clear()
                 for request_id, progress in list(self.running.items()):
+                    if self.hold:
+                        break
                     progress[0] += 1
                     done = progress[0] >= progress[1]
                     sequences.append(model_worker_pb2.SequenceTokens(
@@ -320,6 +323,29 @@ async def test_losing_a_replica_fails_only_its_streams_then_it_takes_requests_ag
     print(f"\n[figure] one of 2 model worker replicas lost: its 3 streams ended with an error event "
           f"{time_to_error * 1000:.0f} ms later, the other 3 completed; restart to taking requests "
           f"{reconnect_s:.2f}s")
+
+
+async def test_a_request_a_lost_replica_never_answered_runs_on_another(tiny_model_dir: Path) -> None:
+    """Queued on A (no token yet) when A goes: added on B from the start, not failed with 503. A
+    request A had answered fails as before (its tokens reached the client)."""
+    async with rig(tiny_model_dir) as r, httpx.AsyncClient(timeout=30) as client:
+        a, b = r.replicas["A"], r.replicas["B"]
+        await wait_for(lambda: r.client_of("B").connected, 5)
+        client_b = r.client_of("B")
+        client_b.num_sequences += 5  # so both land on A
+        try:
+            answered = await r.open_streams(client, 1, max_tokens=150)
+            a.fake.hold = True
+            queued = asyncio.create_task(r.stream(client, 5))
+            await wait_for(lambda: len(a.fake.adds) == 2, 5)
+        finally:
+            client_b.num_sequences -= 5
+        await a.stop()
+        moved, failed = await asyncio.wait_for(asyncio.gather(queued, *answered), 10)
+        assert moved.complete and moved.error is None and served_by(moved) == "B", moved
+        assert moved.completion_tokens == 5
+        assert b.fake.adds == [a.fake.adds[1]]  # the same request id, added again
+        assert failed.error is not None and a.address in failed.error["message"], failed
 
 
 async def test_a_replica_serving_another_model_is_refused(tiny_model_dir: Path,
