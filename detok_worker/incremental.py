@@ -104,12 +104,25 @@ class WindowDetokenizer:
         self._check(prompt_tail_ids)
         # _ids[:_read_offset] is the window prefix already emitted (or prompt); the rest is
         # held because its text still ends in an unfinished character.
-        self._ids: list[int] = list(prompt_tail_ids)
+        self._ids: list[int] = self._without_open_byte_run(list(prompt_tail_ids))
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         self._window_before_feed: list[int] = []
         self._read_offset_before_feed = 0
         self._prefix_text_before_feed = ""
+
+    def _without_open_byte_run(self, tail: list[int]) -> list[int]:
+        """The prompt tail less the byte-fallback run it ends in, where that run ends inside a
+        character. Its bytes are the prompt's: counted as emitted text they would be one U+FFFD
+        each, and the character the output completes only one, so the output's first characters
+        went missing. Without them the output decodes as its own ids do (a continuation byte
+        alone is U+FFFD), as on the byte-level path."""
+        if not self._byte_fallback_ids or not self._decode(tail).endswith(REPLACEMENT_CHAR):
+            return tail
+        end = len(tail)
+        while end and (tail[end - 1] in self._byte_fallback_ids or tail[end - 1] in self._skipped_ids):
+            end -= 1
+        return tail[:end]
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""

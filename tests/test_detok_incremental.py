@@ -272,6 +272,25 @@ def test_generic_prompt_tail_keeps_the_leading_space(metaspace: Tokenizer) -> No
     assert "".join(feed_in_chunks(new_detokenizer(decoding, True), output, [1] * 9)) == "hello world"
 
 
+def test_generic_prompt_tail_ending_inside_a_character(llama_style: Tokenizer) -> None:
+    """A token-id prompt ending in 2 of the 3 bytes of "€", and an output that starts with the
+    third: the output reads as its own ids decode ("\ufffd world"), as on the byte-level path.
+    Counting the tail's two bytes (two U+FFFD) as emitted text lost the output's first two
+    characters once the third byte made them one "€"."""
+    byte = {b: llama_style.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    hello, world = llama_style.encode("Hello").ids, llama_style.encode("world").ids
+    output = [byte[0xAC], *world]
+    for tail in ([*hello, byte[0xE2], byte[0x82]], [byte[0xE2], byte[0x82]]):
+        for chunks in ([1] * len(output), [len(output)]):
+            deltas = feed_in_chunks(new_detokenizer(TokenizerDecoding(llama_style), True, tail), output, chunks)
+            assert "".join(deltas) == llama_style.decode(output) == "\ufffd world", (tail, chunks, deltas)
+    # A tail whose byte run is a whole character stays context: the output's bytes join its run.
+    euro = [byte[b] for b in "€".encode()]
+    deltas = feed_in_chunks(new_detokenizer(TokenizerDecoding(llama_style), True, [*hello, *euro]),
+                            [*euro, *world], [1] * (3 + len(world)))
+    assert "".join(deltas) == "€ world"
+
+
 def test_generic_out_of_vocab_id(metaspace: Tokenizer) -> None:
     detokenizer = new_detokenizer(TokenizerDecoding(metaspace), True)
     with pytest.raises(ValueError, match="not in the tokenizer's vocabulary"):
