@@ -287,6 +287,12 @@ class Pipeline:
             self._move_unopened(request)
         index = request.detok.index
         renders = bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
+        text_ids = seq.token_ids
+        if (seq.finish_reason == model_worker_pb2.FINISH_REASON_STOP and not request.params.include_stop_str_in_output
+                and len(text_ids) >= 4):
+            # The stop token (a stop_token_ids entry, or eos) counts in usage and logprobs but not in
+            # the text, as in vLLM: "<|im_end|>" with skip_special_tokens off, or a plain-word stop id.
+            text_ids = text_ids[:-4]
         if not state.detok_opened:
             # Opened with its first tokens: a request the model worker refuses never
             # costs the detok worker anything.
@@ -297,9 +303,9 @@ class Pipeline:
                 request.detok.assign_handle(open_)
             opens.setdefault(index, []).append(open_)
         if not renders and request.detok.has_handle(state.request_id):
-            rows.setdefault(index, []).append((state.request_id, seq.token_ids, state.model_finished))
+            rows.setdefault(index, []).append((state.request_id, text_ids, state.model_finished))
             return
-        entry = detok_worker_pb2.SequenceTokenIds(sequence_id=state.request_id, token_ids=seq.token_ids,
+        entry = detok_worker_pb2.SequenceTokenIds(sequence_id=state.request_id, token_ids=text_ids,
                                                   finished=state.model_finished)
         if renders:
             render_ids = logprob_ids(seq)

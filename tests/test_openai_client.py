@@ -153,9 +153,19 @@ def test_stop_strings_and_include_stop_str(client: openai.OpenAI, model: str) ->
 
 
 def test_stop_token_ids_and_ignore_eos(client: openai.OpenAI, model: str) -> None:
+    free = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
     first = greedy_ids(client, model)[1]
-    full, _ = complete(client, model, max_tokens=6, temperature=0, extra_body={"stop_token_ids": [first]})
+    full, chunks = complete(client, model, max_tokens=6, temperature=0, extra_body={"stop_token_ids": [first]})
     assert full.choices[0].finish_reason == "stop" and full.usage.completion_tokens <= 2
+    kept, kept_chunks = complete(client, model, max_tokens=6, temperature=0,
+                                 extra_body={"stop_token_ids": [first], "include_stop_str_in_output": True})
+    # The stop token counts in usage; its text is in the output only with include_stop_str_in_output
+    # (as in vLLM), streamed or not.
+    assert kept.usage.completion_tokens == full.usage.completion_tokens
+    text, kept_text = full.choices[0].text, kept.choices[0].text
+    assert completion_texts(chunks)[0] == text and completion_texts(kept_chunks)[0] == kept_text
+    assert free.startswith(kept_text) and kept_text.startswith(text) and len(kept_text) > len(text), (text, kept_text)
 
 
 # ---- sampling ----
