@@ -315,15 +315,21 @@ class LLMEngine:
 
     @staticmethod
     def _best_outputs(group: SequenceGroup) -> list[SequenceOutput]:
-        """best_of > n: the n best samples' held outputs, re-indexed 0..n-1, best first."""
+        """best_of > n: the n best samples' held outputs, re-indexed 0..n-1, best first. The prompt's
+        logprobs came with sample 0's first token (_append_tokens); they go with the first output
+        returned, which sample 0 need not be among."""
+        prompt_logprobs = next((out.prompt_logprobs for out in group.held.get(0, [])
+                                if out.prompt_logprobs is not None), None)
         outputs = []
         for new_index, index in enumerate(group.best_indices()):
             wanted = group.seqs[index].sampling.logprobs
             for out in group.held[index]:
                 out.index = new_index
+                out.prompt_logprobs = None
                 if not wanted:  # computed only to rank the samples
                     out.logprob = None
                 outputs.append(out)
+        outputs[0].prompt_logprobs = prompt_logprobs
         return outputs
 
     def _append_tokens(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[SequenceOutput]:

@@ -131,6 +131,25 @@ def test_cumulative_logprob_is_the_sum_of_raw_logprobs(runner):
     assert math.isclose(r["cumulative"], sum(r["logprobs"]), rel_tol=1e-5)
 
 
+def test_best_of_returns_the_prompt_logprobs_whichever_samples_win(runner):
+    """They are computed once, with sample 0's first token; best_of > n returns the best samples,
+    often not sample 0, and the prompt logprobs went with it (the gateway then answered 400)."""
+    engine = LLMEngine(runner, [], max_num_seqs=16, max_num_batched_tokens=512, max_waiting_requests=100)
+    params = SamplingParams(temperature=1.0, prompt_logprobs=0)
+    prompt = [5, 17, 301, 42, 9]
+    for rid in range(12):
+        engine.add_request(rid, prompt, replace(params, seed=rid), 4, [], True, n=1, best_of=4)
+    prompt_records: dict[int, list] = {rid: [] for rid in range(12)}
+    while engine.has_work():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                prompt_records[out.seq_id].append(out.prompt_logprobs)
+    # Each request's one output carries them once, over every prompt position (a 1 in 4 chance
+    # per request that sample 0 wins: 12 requests all pass by luck once in ~17 million).
+    assert all(len(records) == 1 for records in prompt_records.values()), prompt_records
+    assert all(records[0].num_positions == len(prompt) for records in prompt_records.values())
+
+
 def test_prompt_logprobs_across_chunks_match_one_forward(runner):
     prompt = [(13 * j) % 4000 + 5 for j in range(40)]
     params = SamplingParams(prompt_logprobs=2)
