@@ -150,6 +150,22 @@ def test_best_of_returns_the_prompt_logprobs_whichever_samples_win(runner):
     assert all(records[0].num_positions == len(prompt) for records in prompt_records.values())
 
 
+def test_mirostat_state_of_ended_requests_is_forgotten(runner):
+    """Each batch rebuild carried every mirostat row's mu over, those of sequences that had just
+    ended included: one entry per mirostat request, kept forever. A live one's still carries over."""
+    engine = LLMEngine(runner, [], max_num_seqs=16, max_num_batched_tokens=512, max_waiting_requests=100)
+    mirostat = SamplingParams(temperature=1.0, seed=3, mirostat=2)
+    engine.add_request(0, [5, 6, 7], mirostat, 40, [], True)  # runs through all the others
+    for rid in range(1, 21):
+        engine.add_request(rid, [5, 6, 7, rid], replace(mirostat, seed=rid), 2, [], True)
+        engine.step()
+        engine.step()
+    assert set(engine.sampler._saved_mu) <= {0}
+    while engine.has_work():
+        engine.step()
+    assert not engine.sampler._saved_mu
+
+
 def test_prompt_logprobs_across_chunks_match_one_forward(runner):
     prompt = [(13 * j) % 4000 + 5 for j in range(40)]
     params = SamplingParams(prompt_logprobs=2)

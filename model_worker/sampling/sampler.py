@@ -74,10 +74,12 @@ class Sampler:
         self.batch: SamplingBatch | None = None
         self._columns = column_counters(vocab_size, device)  # [V]
         self._saved_mu: dict[int, float] = {}  # mirostat state of sequences out of the batch
+        self._released: set[int] = set()  # ended since the batch was built: not carried over from it
 
     def release(self, seq_id: int) -> None:
         """Forgets a finished or aborted sequence's carried-over state."""
         self._saved_mu.pop(seq_id, None)
+        self._released.add(seq_id)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence],
                allowed_token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
@@ -113,7 +115,11 @@ class Sampler:
                 and all(s.num_tokens == n for s, n in zip(seqs, batch.expected_num_tokens, strict=True))):
             return batch
         if batch is not None:
-            self._saved_mu.update(batch.saved_mirostat_mu())
+            # The rows of sequences still live (preempted, or not scheduled this step) keep their mu;
+            # an ended one's would stay here forever (seq ids are never reused).
+            self._saved_mu.update((seq_id, mu) for seq_id, mu in batch.saved_mirostat_mu().items()
+                                  if seq_id not in self._released)
+        self._released.clear()
         self.batch = SamplingBatch.build(seqs, self.vocab_size, self.device, batch, self._saved_mu)
         return self.batch
 
