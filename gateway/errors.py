@@ -45,7 +45,8 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.error_type = error_type or _TYPE_BY_STATUS.get(status, "internal_server_error")
+        self.error_type = error_type or _TYPE_BY_STATUS.get(
+            status, "invalid_request_error" if 400 <= status < 500 else "internal_server_error")
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -104,6 +105,10 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts = []
     param = None
     for error in exc.errors():
+        if error.get("type") == "json_invalid":  # its loc is a byte offset, not a field
+            parts.append("We could not parse the JSON body of your request: "
+                         f"{error.get('ctx', {}).get('error', 'invalid JSON')} at position {error['loc'][-1]}")
+            continue
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
         if param is None and loc:
             param = loc[0]
@@ -131,7 +136,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+        # Its headers too: Starlette's 405 carries Allow, which RFC 9110 requires there.
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                            headers=exc.headers)
 
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)

@@ -43,9 +43,12 @@ def test_validation_errors_are_400_not_422(client: TestClient) -> None:
 def test_missing_field_and_bad_json_are_400(client: TestClient) -> None:
     response = client.post("/v1/completions", json={"model": "m"})
     assert response.status_code == 400 and assert_openai_error(response.json())["param"] == "prompt"
-    response = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert response.status_code == 400
-    assert_openai_error(response.json())
+    for body in (b"{not json", b'{"model": "m", "messages": ['):
+        response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400
+        error = assert_openai_error(response.json())
+        # OpenAI names no param for a body that is not JSON (pydantic's loc is a byte offset there).
+        assert error["param"] is None and "could not parse the JSON body" in error["message"], error
 
 
 def test_unsupported_parameter_message(client: TestClient) -> None:
@@ -169,6 +172,12 @@ def test_unknown_route_is_openai_shaped_404(client: TestClient) -> None:
     response = client.get("/v1/nothing")
     assert response.status_code == 404
     assert_openai_error(response.json(), "not_found_error")
+
+
+def test_wrong_method_is_a_405_client_error_with_allow(client: TestClient) -> None:
+    response = client.get("/v1/chat/completions")
+    assert response.status_code == 405 and response.headers["allow"] == "POST"  # RFC 9110 wants Allow
+    assert_openai_error(response.json(), "invalid_request_error")
 
 
 @pytest.mark.parametrize(("code", "status"), [(3, 400), (8, 429), (14, 503), (13, 500), (2, 500)])
