@@ -123,7 +123,7 @@ def create_app(config: Config) -> FastAPI:
         check_request_limits(body, request.app.state.limits)
         pipeline = pipeline_for(request, body.model)
         tokenizer = tokenizer_of(pipeline)
-        prompt_ids = tokenizer.encode_chat(chat_messages_of(body.messages))
+        prompt_ids = await tokenizer.encode_chat_async(chat_messages_of(body.messages))
         params = generation_params(body, tokenizer.encode_words)
         check_params_vocab(params, pipeline.model_info.vocab_size)
         responder = ChatResponder(body.model, renderer_of(pipeline), body.logprobs, body.include_usage,
@@ -138,7 +138,7 @@ def create_app(config: Config) -> FastAPI:
         tokenizer = tokenizer_of(pipeline)
         echoes = []
         for prompt in body.prompts():
-            ids = tokenizer.encode_text(prompt) if isinstance(prompt, str) else prompt
+            ids = await tokenizer.encode_text_async(prompt) if isinstance(prompt, str) else prompt
             check_token_ids(ids, pipeline.model_info.vocab_size)
             # Echo shows a text prompt as sent, and token ids as the tokenizer reads them; the
             # decode is skipped when nothing echoes.

@@ -92,10 +92,10 @@ def ops_router(error_responses: dict[int | str, dict[str, Any]]) -> APIRouter:
         pipeline = pipeline_for(request, body.model)
         tokenizer = tokenizer_of(pipeline)
         if body.messages is not None:
-            ids = tokenizer.encode_chat(chat_messages_of(body.messages), body.add_generation_prompt)
+            ids = await tokenizer.encode_chat_async(chat_messages_of(body.messages), body.add_generation_prompt)
         else:
             assert body.prompt is not None, "validated: exactly one of prompt and messages"
-            ids = tokenizer.encode_text(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await tokenizer.encode_text_async(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=pipeline.model_info.max_model_len, tokens=ids,
                                 token_strs=[tokenizer.token_text(t) for t in ids] if body.return_token_strs
                                 else None)

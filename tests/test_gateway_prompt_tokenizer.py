@@ -40,6 +40,32 @@ def test_token_bytes_are_exact(tokenizer: PromptTokenizer) -> None:
     assert tokenizer.token_bytes(2) == b"<|im_end|>"
 
 
+async def test_long_prompts_are_encoded_off_the_event_loop(tokenizer: PromptTokenizer) -> None:
+    """Same ids either way; a long text or conversation on a worker thread (the event loop streams
+    other requests meanwhile), a short one inline (no thread hop on the common path)."""
+    import threading
+
+    from gateway.prompt_tokenizer import INLINE_ENCODE_MAX_CHARS
+
+    threads: list[str] = []
+    original = tokenizer.encode_text
+
+    def spy(text: str, add_special_tokens: bool = True) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return original(text, add_special_tokens)
+
+    tokenizer.encode_text = spy  # type: ignore[method-assign]
+    try:
+        short, long = "hello world", "hello world " * (INLINE_ENCODE_MAX_CHARS // 12 + 1)
+        assert await tokenizer.encode_text_async(short) == original(short)
+        assert await tokenizer.encode_text_async(long) == original(long)
+    finally:
+        del tokenizer.encode_text
+    assert threads[0] == threading.current_thread().name and threads[1] != threads[0], threads
+    chat = [{"role": "user", "content": long}]
+    assert await tokenizer.encode_chat_async(chat) == tokenizer.encode_chat(chat)
+
+
 def test_tokenizer_with_another_hash_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_model_dir / name, tmp_path / name)
