@@ -288,8 +288,7 @@ class Pipeline:
         index = request.detok.index
         renders = bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
         text_ids = seq.token_ids
-        if (seq.finish_reason == model_worker_pb2.FINISH_REASON_STOP and not request.params.include_stop_str_in_output
-                and len(text_ids) >= 4):
+        if seq.HasField("stop_token_id") and not request.params.include_stop_str_in_output and len(text_ids) >= 4:
             # The stop token (a stop_token_ids entry, or eos) counts in usage and logprobs but not in
             # the text, as in vLLM: "<|im_end|>" with skip_special_tokens off, or a plain-word stop id.
             text_ids = text_ids[:-4]

@@ -136,6 +136,6 @@ class BeamSearchRequest:
                 outputs.append(out)
             last = outputs[-1]
             last.finish_reason = FinishReason.STOP if hyp.stopped else FinishReason.LENGTH
-            last.stop_token_id = hyp.token_ids[-1] if hyp.stopped else 0
+            last.stop_token_id = hyp.token_ids[-1] if hyp.stopped else None
         outputs[-1].request_finished = True
         return outputs

@@ -47,7 +47,7 @@ class SequenceOutput:
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = FinishReason.NONE
-    stop_token_id: int = 0
+    stop_token_id: int | None = None  # the stop token that ended it (FinishReason.STOP)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     index: int = 0  # which of the request's n outputs

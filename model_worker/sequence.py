@@ -105,7 +105,7 @@ class Sequence:
     # Samples still to fork from this one once its prompt is prefilled (n / best_of - 1).
     num_pending_forks: int = 0
     finish_reason: FinishReason = FinishReason.NONE
-    stop_token_id: int = 0
+    stop_token_id: int | None = None  # set with FinishReason.STOP by a stop token
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -133,9 +133,11 @@ def test_bad_requests_fail_alone_with_invalid_argument(stub, bad_add, message):
 
 def test_duplicate_request_id_is_refused(stub):
     results = run_stream(stub, [pb.RequestFrame(adds=[add("d", [1, 2], 50), add("d", [3, 4], 5)])])
-    # The refused duplicate gets its own error under the id; the first still runs to its end.
-    assert results["d"]["finishes"] == [pb.FINISH_REASON_ERROR, pb.FINISH_REASON_LENGTH]
-    assert len(results["d"]["tokens"]) == 50
+    # Frames name requests by id alone: the duplicate ends the live request too, and the id's one
+    # last frame is the error (no tokens of the first after it).
+    assert results["d"]["finishes"] == [pb.FINISH_REASON_ERROR]
+    assert results["d"]["last"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert len(results["d"]["tokens"]) < 50
 
 
 def test_abort_ends_request_with_abort_and_frees_slot(stub):
