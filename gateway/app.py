@@ -123,7 +123,8 @@ def create_app(config: Config) -> FastAPI:
         check_request_limits(body, request.app.state.limits)
         pipeline = pipeline_for(request, body.model)
         tokenizer = tokenizer_of(pipeline)
-        prompt_ids = await tokenizer.encode_chat_async(chat_messages_of(body.messages))
+        prompt_ids = await tokenizer.encode_chat_async(chat_messages_of(body.messages), body.add_generation_prompt,
+                                                       body.continue_final_message, body.chat_template_kwargs)
         params = generation_params(body, tokenizer.encode_words)
         check_params_vocab(params, pipeline.model_info.vocab_size)
         responder = ChatResponder(body.model, renderer_of(pipeline), body.logprobs, body.include_usage,

@@ -217,18 +217,48 @@ class _GenerationRequest(_TopLevel):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
-class ChatCompletionRequest(_GenerationRequest):
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (vLLM refuses them too).
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class _ChatTemplateFields(BaseModel):
+    """vLLM's chat template controls: end the prompt with the assistant's turn opened
+    (add_generation_prompt, the default), or leave the last (assistant) message open for the model
+    to continue (continue_final_message: prefill); chat_template_kwargs are extra template
+    variables (e.g. Qwen3's enable_thinking)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_template_fields(self) -> _ChatTemplateFields:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(set add_generation_prompt to false to continue the last message)")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        return self
+
+
+class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
-        if self.tools:
+        # With tool_choice "none" the model may not call them: the request runs, the tools unused.
+        if self.tools and self.tool_choice != "none":
             raise ValueError("tools (function calling) is not supported; send the tool results as messages")
         return self
 
@@ -266,14 +296,13 @@ class CompletionRequest(_GenerationRequest):
         return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
 
 
-class TokenizeRequest(_TopLevel):
-    """vLLM's /tokenize body: either a prompt or chat messages."""
+class TokenizeRequest(_ChatTemplateFields, _TopLevel):
+    """vLLM's /tokenize body: either a prompt or chat messages (with the chat template's controls)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     @model_validator(mode="after")

@@ -39,13 +39,16 @@ class PromptTokenizer:
         verified_tokenizer_json(identity)
         return cls(AutoTokenizer.from_pretrained(identity.path), chat_template)
 
-    def encode_chat(self, messages: list[dict[str, object]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, object]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """template_kwargs: extra variables for the template (chat_template_kwargs)."""
         if self._chat_template is None and getattr(self._hf, "chat_template", None) is None:
             raise invalid_request("this model has no chat template; use /v1/completions", param="messages")
         try:
             ids = self._hf.apply_chat_template(messages, chat_template=self._chat_template,
-                                               add_generation_prompt=add_generation_prompt, tokenize=True,
-                                               return_dict=False)
+                                               add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message, tokenize=True,
+                                               return_dict=False, **(template_kwargs or {}))
         except Exception as exc:  # jinja raises on conversations its template rejects
             raise invalid_request(f"chat template failed on these messages: {exc}", param="messages") from exc
         return list(ids)
@@ -54,13 +57,15 @@ class PromptTokenizer:
         # The tokenizer's own defaults (SmolLM2 adds no BOS), so ids match transformers' generate.
         return list(self._hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    async def encode_chat_async(self, messages: list[dict[str, object]],
-                                add_generation_prompt: bool = True) -> list[int]:
+    async def encode_chat_async(self, messages: list[dict[str, object]], add_generation_prompt: bool = True,
+                                continue_final_message: bool = False,
+                                template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """encode_chat, off the event loop for a long conversation (INLINE_ENCODE_MAX_CHARS)."""
+        args = (messages, add_generation_prompt, continue_final_message, template_kwargs)
         chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         if chars <= INLINE_ENCODE_MAX_CHARS:
-            return self.encode_chat(messages, add_generation_prompt)
-        return await asyncio.to_thread(self.encode_chat, messages, add_generation_prompt)
+            return self.encode_chat(*args)
+        return await asyncio.to_thread(self.encode_chat, *args)
 
     async def encode_text_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """encode_text, off the event loop for a long text (INLINE_ENCODE_MAX_CHARS)."""

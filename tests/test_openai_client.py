@@ -110,6 +110,43 @@ def test_chat_roles_and_content_forms(client: openai.OpenAI, model: str) -> None
     assert chat_texts(chunks)[0] == with_tool.choices[0].message.content
 
 
+def test_chat_template_controls(client: openai.OpenAI, model: str) -> None:
+    """vLLM's add_generation_prompt, continue_final_message (assistant prefill) and
+    chat_template_kwargs, on /v1/chat/completions and /tokenize alike."""
+    root = str(client.base_url).removesuffix("/v1/")
+    prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+
+    def tokenize(**body: Any) -> httpx.Response:
+        return httpx.post(f"{root}/tokenize", json={"messages": prefill, **body}, timeout=30)
+
+    opened = tokenize().json()["tokens"]  # ends with a new assistant turn
+    closed = tokenize(add_generation_prompt=False).json()["tokens"]
+    continued = tokenize(add_generation_prompt=False, continue_final_message=True).json()["tokens"]
+    words = httpx.post(f"{root}/tokenize", json={"prompt": " there", "add_special_tokens": False}, timeout=30).json()
+    assert len(opened) > len(closed) > len(continued)
+    assert continued[-len(words["tokens"]):] == words["tokens"]  # the last message left open: no end of turn
+    assert closed[:len(continued)] == continued
+    same = tokenize(add_generation_prompt=False, continue_final_message=True,
+                    chat_template_kwargs={"enable_thinking": False}).json()["tokens"]
+    assert same == continued  # a variable this template does not read changes nothing
+    reply, chunks = chat(client, model, messages=prefill, max_tokens=3, temperature=0,
+                         extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert reply.usage.prompt_tokens == len(continued)
+    assert chat_texts(chunks)[0] == reply.choices[0].message.content
+    # Refused: both at once, and a template kwarg that would override apply_chat_template's own.
+    for body in ({"continue_final_message": True}, {"chat_template_kwargs": {"tokenize": False}}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=model, messages=prefill, max_tokens=3, extra_body=body)
+        assert refused.value.status_code == 400
+        assert tokenize(**body).status_code == 400
+    # Tools the model may not call (tool_choice "none") are accepted and left unused.
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    unused, _ = chat(client, model, messages=prefill[:1], max_tokens=3, temperature=0, tools=[tool], tool_choice="none")
+    assert unused.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=prefill[:1], max_tokens=3, tools=[tool])
+
+
 def test_completion_prompt_forms(client: openai.OpenAI, model: str) -> None:
     ids = httpx.post(str(client.base_url).removesuffix("/v1/") + "/tokenize", json={"prompt": PROMPT},
                      timeout=30).json()["tokens"]
