@@ -14,7 +14,6 @@ from tokenwire.byte_level import is_byte_level, token_piece_bytes, unicode_to_by
 from tokenwire.tokenizer_files import verified_tokenizer_json
 from tokenwire.v1 import common_pb2
 
-
 # Prompts longer than this many characters are tokenized on a worker thread: the tokenizer releases
 # the GIL, so the event loop keeps streaming other requests meanwhile (a 3.6 MB prompt took 1.2-2.2 s
 # to encode, and every stream stalled that long). Shorter ones stay inline, where a thread hop
