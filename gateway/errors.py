@@ -110,8 +110,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
                          f"{error.get('ctx', {}).get('error', 'invalid JSON')} at position {error['loc'][-1]}")
             continue
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
-        if param is None and loc:
-            param = loc[0]
+        if param is None:
+            # A model validator's error has no loc; a ParamError (openai_requests) names its field.
+            param = loc[0] if loc else getattr(error.get("ctx", {}).get("error"), "param", None)
         where = ".".join(loc)
         msg = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
         parts.append(f"{where}: {msg}" if where else msg)

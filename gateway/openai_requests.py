@@ -65,6 +65,15 @@ def reject_lone_surrogates(data: Any) -> None:
             pending.extend(v for v in value if v.__class__ is not int)
 
 
+class ParamError(ValueError):
+    """A check across fields (a model validator, whose errors pydantic locates nowhere) that names
+    the field at fault: the 400's `param`, as OpenAI's errors give it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class _TopLevel(_Lenient):
     """A whole request body: its strings are checked once, before any field is read."""
 
@@ -118,7 +127,7 @@ class ResponseFormat(_Lenient):
     @model_validator(mode="after")
     def _schema_with_json_schema(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type json_schema needs a json_schema object")
+            raise ParamError("response_format", "response_format of type json_schema needs a json_schema object")
         return self
 
 
@@ -169,24 +178,24 @@ class _GenerationRequest(_TopLevel):
     @model_validator(mode="after")
     def _check_shared(self) -> _GenerationRequest:
         if any(s == "" for s in self.stop_strings()):
-            raise ValueError("stop strings must not be empty")
+            raise ParamError("stop", "stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids or []):
-            raise ValueError("stop_token_ids must be >= 0")
+            raise ParamError("stop_token_ids", "stop_token_ids must be >= 0")
         if any(t < 0 for t in self.allowed_token_ids or []):
-            raise ValueError("allowed_token_ids must be >= 0")
+            raise ParamError("allowed_token_ids", "allowed_token_ids must be >= 0")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+            raise ParamError("allowed_token_ids", "allowed_token_ids must not be empty (leave it out to allow every token)")
         if any(w == "" for w in self.bad_words or []):
-            raise ValueError("bad_words must not contain empty strings")
+            raise ParamError("bad_words", "bad_words must not contain empty strings")
         for key, bias in (self.logit_bias or {}).items():
             if not (key.strip().isascii() and key.strip().isdigit() and int(key) <= INT32_MAX):
-                raise ValueError(f"logit_bias keys must be token ids, not {key!r}")
+                raise ParamError("logit_bias", f"logit_bias keys must be token ids, not {key!r}")
             if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], not {bias}")
+                raise ParamError("logit_bias", f"logit_bias values must be in [-100, 100], not {bias}")
         if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+            raise ParamError("best_of", f"best_of ({self.best_of}) must be >= n ({self.n})")
         if self.guided_choice is not None and not self.guided_choice:
-            raise ValueError("guided_choice must list at least one choice")
+            raise ParamError("guided_choice", "guided_choice must list at least one choice")
         constraints = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                                          "regex", "ebnf") if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type != "text":
@@ -194,12 +203,12 @@ class _GenerationRequest(_TopLevel):
         if len(constraints) > 1:
             raise ValueError(f"only one output constraint at a time, got {', '.join(constraints)}")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise ParamError("stream_options", "stream_options is only allowed with stream=true")
         if self.prompt_logprobs is not None and self.stream:
-            raise ValueError("prompt_logprobs are not available with stream=true")  # as in vLLM
+            raise ParamError("prompt_logprobs", "prompt_logprobs are not available with stream=true")  # as in vLLM
         limit = self.completion_token_limit()
         if limit is not None and self.min_tokens > limit:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
+            raise ParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
         return self
 
     def stop_strings(self) -> list[str]:
@@ -237,11 +246,11 @@ class _ChatTemplateFields(BaseModel):
     @model_validator(mode="after")
     def _check_template_fields(self) -> _ChatTemplateFields:
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+            raise ParamError("continue_final_message", "continue_final_message and add_generation_prompt cannot both be true "
                              "(set add_generation_prompt to false to continue the last message)")
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+            raise ParamError("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}")
         return self
 
 
@@ -256,10 +265,10 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs set to true")
         # With tool_choice "none" the model may not call them: the request runs, the tools unused.
         if self.tools and self.tool_choice != "none":
-            raise ValueError("tools (function calling) is not supported; send the tool results as messages")
+            raise ParamError("tools", "tools (function calling) is not supported; send the tool results as messages")
         return self
 
     def completion_token_limit(self) -> int | None:
@@ -279,11 +288,11 @@ class CompletionRequest(_GenerationRequest):
     def _check_completion_fields(self) -> CompletionRequest:
         if isinstance(self.prompt, list):
             if len(self.prompt) == 0:
-                raise ValueError("prompt must not be empty")
+                raise ParamError("prompt", "prompt must not be empty")
             if any(isinstance(p, list) and not p for p in self.prompt):
-                raise ValueError("a token-id prompt must not be empty")
+                raise ParamError("prompt", "a token-id prompt must not be empty")
         if self.suffix:
-            raise ValueError("suffix (fill-in-the-middle) is not supported")
+            raise ParamError("suffix", "suffix (fill-in-the-middle) is not supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:

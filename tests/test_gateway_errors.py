@@ -174,6 +174,20 @@ def test_unknown_route_is_openai_shaped_404(client: TestClient) -> None:
     assert_openai_error(response.json(), "not_found_error")
 
 
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"stop": [""]}, "stop"),
+    ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt
+])
+def test_checks_across_fields_name_their_param(client: TestClient, extra: dict, param: str) -> None:
+    response = client.post("/v1/chat/completions",
+                           json={"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
+    assert response.status_code == 400
+    assert assert_openai_error(response.json())["param"] == param
+
+
 def test_wrong_method_is_a_405_client_error_with_allow(client: TestClient) -> None:
     response = client.get("/v1/chat/completions")
     assert response.status_code == 405 and response.headers["allow"] == "POST"  # RFC 9110 wants Allow
