@@ -148,7 +148,9 @@ def create_app(config: Config) -> FastAPI:
         params = generation_params(body, tokenizer.encode_words)
         check_params_vocab(params, pipeline.model_info.vocab_size)
         responder = CompletionResponder(body.model, renderer_of(pipeline), body.logprobs is not None, echoes,
-                                        n=body.n, echo=body.echo, include_usage=body.include_usage)
+                                        n=body.n, echo=body.echo, include_usage=body.include_usage,
+                                        num_top_logprobs=body.logprobs or 0,
+                                        prompt_logprobs=body.prompt_logprobs is not None)
         responder.continuous_usage = body.continuous_usage
         return await _respond(request, pipeline, [e.token_ids for e in echoes], params, body.stream, responder,
                               "prompt")

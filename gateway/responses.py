@@ -287,11 +287,17 @@ class CompletionResponder(_Responder):
     object_name = "text_completion"
 
     def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, prompts: list[PromptEcho],
-                 n: int = 1, echo: bool = False, include_usage: bool = False) -> None:
+                 n: int = 1, echo: bool = False, include_usage: bool = False, num_top_logprobs: int = 0,
+                 prompt_logprobs: bool = False) -> None:
+        """num_top_logprobs: the request's logprobs=N (alternatives per token, echoed prompt tokens
+        included); prompt_logprobs: it asked for vLLM's prompt_logprobs field (echo with logprobs
+        fetches them too, for the echoed tokens alone)."""
         super().__init__(model, speller, logprobs, include_usage)
         self.prompts = prompts
         self.n = n
         self.echo = echo
+        self.num_top_logprobs = num_top_logprobs
+        self.wants_prompt_logprobs = prompt_logprobs
         num_choices = len(prompts) * n
         # text_offset counts characters from the start of each choice's text, across chunks.
         self._text_offsets = [0] * num_choices
@@ -322,7 +328,8 @@ class CompletionResponder(_Responder):
                 if logprob is None:
                     top.append(None)
                     continue
-                alternatives = dict(prompt_lps.top_logprobs[position]) if prompt_lps else {}
+                # As many as the output tokens get, even where prompt_logprobs asked for more.
+                alternatives = dict(prompt_lps.top_logprobs[position][:self.num_top_logprobs]) if prompt_lps else {}
                 alternatives.setdefault(token_id, logprob)
                 top.append({s.token_text(t): lp for t, lp in alternatives.items()})
         for i, (token_id, logprob) in enumerate(zip(event.token_ids, event.logprobs, strict=False)):
@@ -372,8 +379,9 @@ class CompletionResponder(_Responder):
         choices = []
         for i, out in enumerate(outputs):
             choice = self._choice(i, out.as_event())
-            choice.prompt_logprobs = vllm_prompt_logprobs(self.speller, self._prompt(i).token_ids,
-                                                          out.prompt_logprobs)
+            if self.wants_prompt_logprobs:
+                choice.prompt_logprobs = vllm_prompt_logprobs(self.speller, self._prompt(i).token_ids,
+                                                              out.prompt_logprobs)
             choices.append(choice)
         return self._completion(choices, usage(
             num_prompt_tokens, sum(o.num_output_tokens for o in outputs),

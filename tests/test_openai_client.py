@@ -285,6 +285,14 @@ def test_echo_with_logprobs_covers_prompt_tokens(client: openai.OpenAI, model: s
     assert len(lp.tokens) == num_prompt + 2 and lp.token_logprobs[0] is None
     assert all(x is not None for x in lp.token_logprobs[1:])
     assert "".join(lp.tokens) == full.choices[0].text
+    assert full.model_dump()["choices"][0].get("prompt_logprobs") is None  # not asked for
+    # prompt_logprobs asking for more alternatives: the echoed tokens still get logprobs=N's count
+    # (plus the token itself where it is not among them), the prompt_logprobs field its own.
+    more = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1,
+                                     extra_body={"prompt_logprobs": 5})
+    echoed = more.choices[0].logprobs.top_logprobs[1:num_prompt]
+    assert echoed and all(1 <= len(alternatives) <= 2 for alternatives in echoed), echoed
+    assert all(len(entry) >= 5 for entry in more.model_dump()["choices"][0]["prompt_logprobs"][1:])
 
 
 def test_prompt_logprobs(client: openai.OpenAI, model: str) -> None:
