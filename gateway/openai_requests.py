@@ -109,7 +109,8 @@ class ChatMessage(_Lenient):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        # One line per text part, as vLLM joins them for templates that take string content.
+        return "\n".join(part.text for part in self.content)
 
 
 class JsonSchemaFormat(_Lenient):

@@ -174,7 +174,7 @@ def test_messages_keep_tool_roles_and_join_text_parts() -> None:
     ])
     messages = chat_messages_of(body.messages)
     assert messages[0] == {"role": "system", "content": "be brief"}
-    assert messages[1] == {"role": "user", "content": "ab"}
+    assert messages[1] == {"role": "user", "content": "a\nb"}  # a line per part, as vLLM joins them
     assert messages[2]["role"] == "assistant" and messages[2]["tool_calls"][0]["id"] == "c1"  # type: ignore[index]
     assert messages[3] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
 
