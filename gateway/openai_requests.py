@@ -167,7 +167,7 @@ class _GenerationRequest(_TopLevel):
     use_beam_search: bool = False
     length_penalty: float | None = Field(default=None, ge=-MAX_ABS_LENGTH_PENALTY, le=MAX_ABS_LENGTH_PENALTY)
     # Diverse beam search (transformers / OpenVINO): beams penalise tokens earlier beams chose.
-    diversity_penalty: float = Field(default=0.0, ge=0.0)
+    diversity_penalty: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     # Structured output: vLLM's guided_* fields and SGLang's regex / ebnf.
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None

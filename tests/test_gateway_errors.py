@@ -72,14 +72,17 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     ("/v1/completions", '{"model": "m", "prompt": "x", "max_tokens": 1180591620717411303424}', "max_tokens"),
     ("/v1/completions", '{"model": "m", "prompt": [99999999999]}', "prompt"),
     ("/v1/completions", '{"model": "m", "prompt": "x", "allowed_token_ids": [99999999999]}', "allowed_token_ids"),
-    ("/v1/completions", '{"model": "m", "prompt": "x", "logit_bias": {"99999999999": 1}}', None),
     ("/v1/completions", '{"model": "m", "prompt": "x", "logit_bias": {"\\u00b2": 1}}', None),
     ("/detokenize", '{"tokens": [99999999999]}', "tokens"),
     # Beam scores divide by length ** length_penalty, which a huge one under- or overflows.
     ("/v1/completions", '{"model": "m", "prompt": "x", "use_beam_search": true, "best_of": 2, "length_penalty": -2000}',
      "length_penalty"),
     # vLLM's rule: prompt logprobs come only in a whole response.
-    ("/v1/completions", '{"model": "m", "prompt": "x", "stream": true, "prompt_logprobs": 1}', None),
+    ("/v1/completions", '{"model": "m", "prompt": "x", "stream": true, "prompt_logprobs": 1}', "prompt_logprobs"),
+    # The one float without an upper bound: an overflow to infinity is still refused.
+    ("/v1/completions", '{"model": "m", "prompt": "x", "use_beam_search": true, "best_of": 2, '
+                        '"diversity_penalty": 1e999}', "diversity_penalty"),
+    ("/v1/completions", '{"model": "m", "prompt": "x", "logit_bias": {"99999999999": 1}}', "logit_bias"),
 ])
 def test_bad_text_and_out_of_range_numbers_are_400(client: TestClient, path: str, body: str, param: str | None) -> None:
     response = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
