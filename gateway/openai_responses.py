@@ -58,11 +58,16 @@ class AssistantMessage(BaseModel):
     refusal: str | None = None
 
 
+# vLLM's stop_reason: the stop string or stop_token_ids entry that ended a choice (null otherwise).
+StopReason = int | str | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
+    stop_reason: StopReason = None
 
 
 class ChatCompletion(BaseModel):
@@ -92,6 +97,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -120,6 +126,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
+    stop_reason: StopReason = None
     prompt_logprobs: PromptLogprobsField = None
 
 

@@ -288,6 +288,8 @@ class Pipeline:
         index = request.detok.index
         renders = bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
         text_ids = seq.token_ids
+        if seq.HasField("stop_token_id") and seq.stop_token_id in request.params.stop_token_ids:
+            state.stop_reason = seq.stop_token_id  # eos is no stop_reason (vLLM's rule)
         if seq.HasField("stop_token_id") and not request.params.include_stop_str_in_output and len(text_ids) >= 4:
             # The stop token (a stop_token_ids entry, or eos) counts in usage and logprobs but not in
             # the text, as in vLLM: "<|im_end|>" with skip_special_tokens off, or a plain-word stop id.
@@ -362,6 +364,8 @@ class Pipeline:
                                               "(prompt_logprobs, or echo with logprobs)",
                                          param="prompt_logprobs"))
             return
+        if 0 <= delta.stop_index < len(request.params.stop):
+            state.stop_reason = request.params.stop[delta.stop_index]
         event = state.take_event(delta)
         if delta.finished:
             self._sequences.pop(state.request_id, None)

@@ -58,6 +58,9 @@ class GenerationEvent:
     num_cached_prompt_tokens: int = 0
     # On a choice's first event only, when the request asked for prompt logprobs.
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's stop_reason, on the last event: the stop string or stop_token_ids entry that ended the
+    # choice; None for eos, a length or anything else.
+    stop_reason: int | str | None = None
 
 
 class RequestState:
@@ -81,6 +84,7 @@ class RequestState:
         self.model_finish_reason: int = model_worker_pb2.FINISH_REASON_UNSPECIFIED
         self.detok_opened = False
         self.finished = False
+        self.stop_reason: int | str | None = None  # see GenerationEvent; set by the pipeline
 
     @property
     def model_finished(self) -> bool:
@@ -136,4 +140,5 @@ class RequestState:
             num_output_tokens=num_output_tokens,
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
             prompt_logprobs=self.prompt_logprobs if self.num_events == 1 else None,
+            stop_reason=self.stop_reason if finish_reason == "stop" else None,
         )

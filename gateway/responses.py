@@ -76,6 +76,7 @@ class ChoiceOutput:
     num_output_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    stop_reason: int | str | None = None
 
     def add(self, event: GenerationEvent) -> None:
         self.text_parts.append(event.text)
@@ -86,6 +87,7 @@ class ChoiceOutput:
         self.num_output_tokens = event.num_output_tokens
         self.num_cached_prompt_tokens = event.num_cached_prompt_tokens
         self.prompt_logprobs = event.prompt_logprobs or self.prompt_logprobs
+        self.stop_reason = event.stop_reason if event.stop_reason is not None else self.stop_reason
 
     @property
     def text(self) -> str:
@@ -94,7 +96,8 @@ class ChoiceOutput:
     def as_event(self) -> GenerationEvent:
         return GenerationEvent(text=self.text, token_ids=self.token_ids, logprobs=self.logprobs,
                                top_logprobs=self.top_logprobs, finish_reason=self.finish_reason,
-                               num_output_tokens=self.num_output_tokens, prompt_logprobs=self.prompt_logprobs)
+                               num_output_tokens=self.num_output_tokens, prompt_logprobs=self.prompt_logprobs,
+                               stop_reason=self.stop_reason)
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_prompt_tokens: int = 0) -> Usage:
@@ -253,12 +256,12 @@ class ChatResponder(_Responder):
         content = self._delta_content(event)
         delta = "{}" if content is None else f'{{"content":{_json_text(content)}}}'
         return (f'{{"index":{index},"delta":{delta},"logprobs":null,'
-                f'"finish_reason":{_json_text(event.finish_reason)}}}')
+                f'"finish_reason":{_json_text(event.finish_reason)},"stop_reason":{_json_text(event.stop_reason)}}}')
 
     def chunk(self, index: int, event: GenerationEvent) -> ChatCompletionChunk:
         delta = ChatDelta(content=self._delta_content(event))
         return self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(event),
-                                            finish_reason=event.finish_reason)])
+                                            finish_reason=event.finish_reason, stop_reason=event.stop_reason)])
 
     def usage_chunk(self, total: Usage) -> ChatCompletionChunk:
         return self._chunk([], total)
@@ -269,7 +272,8 @@ class ChatResponder(_Responder):
 
     def response(self, outputs: list[ChoiceOutput], num_prompt_tokens: int) -> ChatCompletion:
         choices = [ChatChoice(index=i, message=AssistantMessage(content=out.text),
-                              logprobs=self._logprobs(out.as_event()), finish_reason=out.finish_reason)
+                              logprobs=self._logprobs(out.as_event()), finish_reason=out.finish_reason,
+                              stop_reason=out.stop_reason)
                    for i, out in enumerate(outputs)]
         prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None)
         return ChatCompletion(id=self.id, created=self.created, model=self.model,
@@ -354,7 +358,7 @@ class CompletionResponder(_Responder):
             echo = self._prompt(index)
         text = event.text if echo is None else echo.text + event.text
         return CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, event, echo),
-                                finish_reason=event.finish_reason)
+                                finish_reason=event.finish_reason, stop_reason=event.stop_reason)
 
     def first_chunks(self, n: int) -> list[Completion]:
         return []
@@ -363,7 +367,8 @@ class CompletionResponder(_Responder):
         if self.logprobs or (self.echo and not self._echoed[index]):
             return None
         return (f'{{"index":{index},"text":{_json_text(event.text)},"logprobs":null,'
-                f'"finish_reason":{_json_text(event.finish_reason)},"prompt_logprobs":null}}')
+                f'"finish_reason":{_json_text(event.finish_reason)},"stop_reason":{_json_text(event.stop_reason)},'
+                '"prompt_logprobs":null}')
 
     def chunk(self, index: int, event: GenerationEvent) -> Completion:
         return self._completion([self._choice(index, event)])

@@ -184,6 +184,9 @@ def test_stop_strings_and_include_stop_str(client: openai.OpenAI, model: str) ->
                                 extra_body={"ignore_eos": True})
         assert full.choices[0].text == expected and full.choices[0].finish_reason == "stop"
         assert completion_texts(chunks)[0] == expected
+        # vLLM's stop_reason: the stop string that ended it, on the whole choice and the last chunk.
+        assert full.model_dump()["choices"][0]["stop_reason"] == stop
+        assert [c.model_dump()["choices"][0]["stop_reason"] for c in chunks if c.choices[0].finish_reason] == [stop]
     kept, _ = complete(client, model, max_tokens=12, temperature=0, stop=stop,
                        extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
     assert kept.choices[0].text == expected + stop
@@ -203,6 +206,12 @@ def test_stop_token_ids_and_ignore_eos(client: openai.OpenAI, model: str) -> Non
     text, kept_text = full.choices[0].text, kept.choices[0].text
     assert completion_texts(chunks)[0] == text and completion_texts(kept_chunks)[0] == kept_text
     assert free.startswith(kept_text) and kept_text.startswith(text) and len(kept_text) > len(text), (text, kept_text)
+    assert full.model_dump()["choices"][0]["stop_reason"] == first == kept.model_dump()["choices"][0]["stop_reason"]
+    # Neither eos nor a length is a stop_reason (vLLM: null).
+    eos = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={"2": 100})
+    long = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
+    assert eos.choices[0].finish_reason == "stop" and eos.model_dump()["choices"][0]["stop_reason"] is None
+    assert long.choices[0].finish_reason == "length" and long.model_dump()["choices"][0]["stop_reason"] is None
 
 
 # ---- sampling ----

@@ -150,7 +150,8 @@ def test_chat_chunks_have_no_usage_key_without_include_usage() -> None:
 def test_completion_and_chunks_are_complete(echo: bool) -> None:
     prompt = PromptLogprobs(logprobs=[None, -1.25], top_logprobs=[[], [(73, -1.25), (65, -2.0)]])
     prompts = [PromptEcho("HI", [72, 73]), PromptEcho("J", [74])]
-    responder = CompletionResponder("m", ByteSpeller(), True, prompts, n=1, echo=echo)
+    responder = CompletionResponder("m", ByteSpeller(), True, prompts, n=1, echo=echo, num_top_logprobs=2,
+                                    prompt_logprobs=True)
     outputs = [ChoiceOutput(), ChoiceOutput()]
     outputs[0].add(event("AB", [65, 66], finish="length", prompt=prompt))
     outputs[1].add(event("C", [67], finish="stop", prompt=PromptLogprobs([None], [[]])))
