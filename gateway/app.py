@@ -8,6 +8,7 @@ tokenizer endpoints live in ops_routes.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
@@ -153,13 +154,15 @@ def create_app(config: Config) -> FastAPI:
                                         prompt_logprobs=body.prompt_logprobs is not None)
         responder.continuous_usage = body.continuous_usage
         return await _respond(request, pipeline, [e.token_ids for e in echoes], params, body.stream, responder,
-                              "prompt")
+                              "prompt", prompt_only=body.scores_prompt_only)
 
     return app
 
 
 async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Sequence[int]], params: GenerationParams,
-                   stream: bool, responder: Responder, prompt_param: str) -> Response:
+                   stream: bool, responder: Responder, prompt_param: str, prompt_only: bool = False) -> Response:
+    """prompt_only: each choice's one generated token is left out of the answer (echo with
+    max_tokens 0: the prompt is what is asked for)."""
     for prompt_ids in prompts:
         check_context_length(len(prompt_ids), params.max_tokens, pipeline.model_info.max_model_len, prompt_param)
     num_prompt_tokens = sum(len(p) for p in prompts)
@@ -169,6 +172,8 @@ async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Seque
     if access is not None:
         timer.started = access.started  # latencies count from the request's arrival, as vLLM's do
     events = metered(_merge_prompts([pipeline.generate(p, params) for p in prompts], params.n), timer)
+    if prompt_only:
+        events = _without_output(events)
     events = with_deadline(events, request.app.state.limits.request_timeout_s)
     if not stream:
         outputs = await _collect_unless_disconnected(request, events, num_choices)
@@ -191,6 +196,16 @@ async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Seque
         raise
     return StreamingResponse(sse_stream(first, events, responder, num_choices, num_prompt_tokens),
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _without_output(events: ChoiceEvents) -> ChoiceEvents:
+    """The events with nothing generated in them: the prompt's logprobs only, no text or tokens,
+    no completion tokens in usage, and finish_reason length (as vLLM's echo without generation)."""
+    async with aclosing(events):
+        async for index, event in events:
+            yield index, dataclasses.replace(
+                event, text="", token_ids=[], logprobs=[], top_logprobs=[], num_output_tokens=0, stop_reason=None,
+                finish_reason=None if event.finish_reason is None else "length")
 
 
 async def _merge_prompts(prompts: list[AsyncGenerator[tuple[int, GenerationEvent], None]], n: int) -> ChoiceEvents:

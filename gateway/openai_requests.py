@@ -280,7 +280,9 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
 class CompletionRequest(_GenerationRequest):
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: str | list[str] | list[Int32] | list[list[Int32]]
-    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
+    # 0 only with echo: the prompt scored, nothing generated (vLLM's echo without generation, what
+    # lm-evaluation-harness sends for loglikelihoods).
+    max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -294,7 +296,18 @@ class CompletionRequest(_GenerationRequest):
                 raise ParamError("prompt", "a token-id prompt must not be empty")
         if self.suffix:
             raise ParamError("suffix", "suffix (fill-in-the-middle) is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "max_tokens must be at least 1 (0 only with echo, to score the prompt)")
         return self
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, no generated token."""
+        return self.echo and self.max_tokens == 0
+
+    def completion_token_limit(self) -> int | None:
+        # Scoring runs one token, which the answer leaves out (app.py's prompt_only).
+        return 1 if self.scores_prompt_only else self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: each a text to tokenize or token ids as given."""

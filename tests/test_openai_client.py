@@ -304,6 +304,23 @@ def test_echo_with_logprobs_covers_prompt_tokens(client: openai.OpenAI, model: s
     assert all(len(entry) >= 5 for entry in more.model_dump()["choices"][0]["prompt_logprobs"][1:])
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(client: openai.OpenAI, model: str) -> None:
+    """vLLM's echo without generation (lm-evaluation-harness's loglikelihood requests): the prompt
+    and its logprobs back, nothing generated, streamed or not."""
+    full, chunks = complete(client, model, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = full.choices[0]
+    assert choice.text == PROMPT and completion_texts(chunks)[0] == PROMPT
+    assert full.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert "".join(choice.logprobs.tokens) == PROMPT and len(choice.logprobs.tokens) == full.usage.prompt_tokens
+    assert choice.logprobs.token_logprobs[0] is None and all(lp is not None for lp in choice.logprobs.token_logprobs[1:])
+    # The same numbers as the echoed prompt part of a request that generates.
+    generating, _ = complete(client, model, max_tokens=2, echo=True, logprobs=1, temperature=0)
+    assert generating.choices[0].logprobs.token_logprobs[:len(choice.logprobs.tokens)] == choice.logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=0)
+    assert "echo" in str(refused.value)
+
+
 def test_prompt_logprobs(client: openai.OpenAI, model: str) -> None:
     full = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"prompt_logprobs": 1})
     prompt_logprobs = full.model_dump()["choices"][0]["prompt_logprobs"]
