@@ -118,6 +118,12 @@ def create_app(config: Config) -> FastAPI:
         return ModelList(data=[ModelCard(id=request.app.state.served_model_name, created=request.app.state.created,
                                          max_model_len=pipeline.model_info.max_model_len)])
 
+    @app.get("/v1/models/{model:path}", responses=ERROR_RESPONSES)
+    async def retrieve_model(model: str, request: Request) -> ModelCard:
+        """OpenAI's GET /v1/models/{model} (the SDK's models.retrieve): the served model's card, 404 otherwise."""
+        pipeline = pipeline_for(request, model)
+        return ModelCard(id=model, created=request.app.state.created, max_model_len=pipeline.model_info.max_model_len)
+
     @app.post("/v1/chat/completions", response_model=None,
               responses=_generation_responses(ChatCompletion, ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -110,6 +110,13 @@ def test_chat_roles_and_content_forms(client: openai.OpenAI, model: str) -> None
     assert chat_texts(chunks)[0] == with_tool.choices[0].message.content
 
 
+def test_models_list_and_retrieve(client: openai.OpenAI, model: str) -> None:
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model" and card.model_dump()["max_model_len"] > 0
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("not-this-model")
+
+
 def test_chat_template_controls(client: openai.OpenAI, model: str) -> None:
     """vLLM's add_generation_prompt, continue_final_message (assistant prefill) and
     chat_template_kwargs, on /v1/chat/completions and /tokenize alike."""
