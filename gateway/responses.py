@@ -418,6 +418,8 @@ async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, r
 
     try:
         for chunk in responder.first_chunks(num_choices):
+            if continuous_usage:  # the role chunks too, as vLLM's: the prompt, nothing generated yet
+                chunk.usage = totals().model()
             yield sse_event(chunk, with_usage)
         yield await event_chunk(*first)
         async for index, event in events:

@@ -262,6 +262,12 @@ def test_continuous_usage_stats_gives_a_running_count_in_every_chunk(client: ope
     assert running == sorted(running) and running[-1] == 6
     assert all(c.usage.prompt_tokens > 0 for c in streamed)
     assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 6
+    chat_chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    # Every chunk, the opening role chunk included, carries the running count.
+    assert chat_chunks[0].choices[0].delta.role == "assistant" and chat_chunks[0].usage.completion_tokens == 0
+    assert all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chat_chunks)
 
 
 def test_logprobs_chat_and_completions(client: openai.OpenAI, model: str) -> None:
