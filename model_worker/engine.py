@@ -129,8 +129,6 @@ class LLMEngine:
         best_of samples (0: n); returns its first sample. Raises RequestRejected with a clear message."""
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         max_tokens = self.validate_request(prompt_token_ids, sampling, max_tokens, stop_token_ids)
-        if sampling.seed is None:
-            sampling = dataclasses.replace(sampling, seed=self._unseeded_keys.getrandbits(64))
         if len(self.scheduler.waiting) >= self.max_waiting_requests:
             raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"{len(self.scheduler.waiting)} requests are already waiting; try again later")
@@ -147,6 +145,9 @@ class LLMEngine:
             sampling = dataclasses.replace(sampling, needs_cumulative_logprob=True)
         if seq_id in self.groups:
             raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS, f"sequence {seq_id} already exists")
+        if sampling.seed is None:
+            # Drawn once the request is accepted: a refused one leaves the next ones' draws as they were.
+            sampling = dataclasses.replace(sampling, seed=self._unseeded_keys.getrandbits(64))
         stops = set(stop_token_ids)
         if not ignore_eos:
             stops |= self.eos_token_ids

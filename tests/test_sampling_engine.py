@@ -125,6 +125,23 @@ def test_unseeded_requests_draw_differently(runner):
     assert results[1]["tokens"] != results[2]["tokens"]
 
 
+def test_a_refused_request_does_not_shift_the_unseeded_draws(runner):
+    """With the engine's seed fixed, unseeded requests replay; a request refused at admission (here
+    best_of < n) must not use up a draw, or every later unseeded request would sample differently."""
+    def run(refuse_first: bool) -> list[int]:
+        engine = LLMEngine(runner, [], max_num_seqs=16, max_num_batched_tokens=512, max_waiting_requests=100, seed=7)
+        if refuse_first:
+            with pytest.raises(RequestRejected):
+                engine.add_request(0, [5, 6, 7], SamplingParams(temperature=1.0), 4, [], True, n=2, best_of=1)
+        engine.add_request(1, [5, 6, 7], SamplingParams(temperature=1.0), 12, [], True)
+        tokens = []
+        while engine.has_work():
+            tokens.extend(out.token_id for out in engine.step() if out.token_id is not None)
+        return tokens
+
+    assert run(refuse_first=True) == run(refuse_first=False)
+
+
 def test_cumulative_logprob_is_the_sum_of_raw_logprobs(runner):
     params = SamplingParams(temperature=1.0, seed=9, logprobs=True)
     r = run_engine(runner, {1: ([5, 6, 7], params, 10)})[1]
