@@ -23,7 +23,7 @@ from model_worker.structured_output import GrammarCompiler
 from tokenwire import grpc_server
 from tokenwire.config_cli import parse_config
 from tokenwire.sched_slice import use_serving_slice
-from tokenwire.tokenizer_files import tokenizer_identity
+from tokenwire.tokenizer_files import num_token_ids, tokenizer_identity
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc
 
@@ -81,7 +81,8 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
                          config.bf16_small_batch, config.cpu_bf16_matmul)
     eos_ids = default_eos_ids(_read_json(model_dir / "generation_config.json"), hf_config)
     engine = LLMEngine(runner, eos_ids, config.max_num_seqs, config.max_num_batched_tokens,
-                       config.max_waiting_requests, config.seed, config.enable_prefix_caching, config.max_best_of)
+                       config.max_waiting_requests, config.seed, config.enable_prefix_caching, config.max_best_of,
+                       num_token_ids(model_dir))
     return engine, model_dir, hf_config, eos_ids
 
 

@@ -61,8 +61,13 @@ class SequenceOutput:
 class LLMEngine:
     def __init__(self, runner: ModelRunner, eos_token_ids: list[int], max_num_seqs: int,
                  max_num_batched_tokens: int, max_waiting_requests: int, seed: int = 0,
-                 enable_prefix_caching: bool = True, max_best_of: int = 16) -> None:
+                 enable_prefix_caching: bool = True, max_best_of: int = 16, num_token_ids: int = 0) -> None:
+        """num_token_ids: how many ids the tokenizer has (0: as many as the model's vocabulary)."""
         self.runner = runner
+        # Models whose vocabulary is padded past their tokenizer's (Qwen2/2.5: 151936 rows for ~151665
+        # tokens) must never pick a padding id: no detok can say what it is, and the request would
+        # fail mid-stream. Their logits are -inf from here (None: nothing to mask).
+        self._padding_from = num_token_ids if 0 < num_token_ids < runner.vocab_size else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = runner.max_model_len
         self.max_waiting_requests = max_waiting_requests
@@ -246,6 +251,10 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         step_logits = self.runner.execute(scheduled)
+        if self._padding_from is not None:
+            with torch.inference_mode():  # the runner made them there
+                for logits in (step_logits.logits, *(part.logits for part in step_logits.prompt_logits)):
+                    logits[..., self._padding_from:] = float("-inf")
         chunks = scheduled.chunks
         self.scheduler.update_computed(scheduled)
         for part in step_logits.prompt_logits:

@@ -142,6 +142,26 @@ def test_a_refused_request_does_not_shift_the_unseeded_draws(runner):
     assert run(refuse_first=True) == run(refuse_first=False)
 
 
+def test_ids_past_the_tokenizer_are_never_picked(runner, tiny_model_dir):
+    """A vocabulary padded past the tokenizer's (Qwen2/2.5): the padding ids are never drawn nor
+    offered as alternatives, whatever the temperature; with the tokenizer's full size nothing changes."""
+    from tokenwire.tokenizer_files import num_token_ids
+
+    assert num_token_ids(tiny_model_dir) == runner.vocab_size  # SmolLM2's tokenizer: no padding
+    engine = LLMEngine(runner, [], max_num_seqs=16, max_num_batched_tokens=512, max_waiting_requests=100,
+                       num_token_ids=300)
+    params = SamplingParams(temperature=5.0, logprobs=True, top_logprobs=20, prompt_logprobs=20)
+    for rid in range(4):
+        engine.add_request(rid, [5, 6, 7, 8], replace(params, seed=rid), 32, [], True)
+    seen: set[int] = set()
+    while engine.has_work():
+        for out in engine.step():
+            seen.update([out.token_id, *out.top_token_ids] if out.token_id is not None else [])
+            if out.prompt_logprobs is not None:
+                seen.update(t for t in out.prompt_logprobs.top_token_ids if t >= 0)
+    assert len(seen) > 20 and max(seen) < 300, sorted(seen)[-5:]
+
+
 def test_cumulative_logprob_is_the_sum_of_raw_logprobs(runner):
     params = SamplingParams(temperature=1.0, seed=9, logprobs=True)
     r = run_engine(runner, {1: ([5, 6, 7], params, 10)})[1]

@@ -29,6 +29,16 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def num_token_ids(tokenizer_dir: str | Path) -> int:
+    """One past the largest id the tokenizer in tokenizer_dir has (its added tokens included);
+    0 where it has no tokenizer.json."""
+    path = Path(tokenizer_dir) / TOKENIZER_JSON
+    if not path.is_file():
+        return 0
+    vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+    return max(vocab.values(), default=-1) + 1
+
+
 def tokenizer_identity(tokenizer_dir: str | Path) -> common_pb2.TokenizerIdentity:
     tokenizer_dir = Path(tokenizer_dir).resolve()
     return common_pb2.TokenizerIdentity(
