@@ -89,7 +89,7 @@ class WindowDetokenizer:
     Metaspace strip the space of the first token they see, so the window always starts one
     step back (or in the prompt tail) to decode the next piece with its leading space."""
 
-    __slots__ = ("_tokenizer", "_vocab_size", "_skip_special_tokens", "_byte_fallback_ids", "_skipped_ids",
+    __slots__ = ("_tokenizer", "_vocab_size", "_skip_special_tokens", "_byte_fallback_ids", "_context_id", "_skipped_ids",
                  "_ids", "_read_offset", "_prefix_text", "_window_before_feed", "_read_offset_before_feed",
                  "_prefix_text_before_feed")
 
@@ -99,6 +99,7 @@ class WindowDetokenizer:
         self._vocab_size = decoding.vocab_size
         self._skip_special_tokens = skip_special_tokens
         self._byte_fallback_ids = decoding.byte_fallback_ids
+        self._context_id = decoding.context_id
         # Skipped special tokens never reach the decoder, so they do not end a byte run.
         self._skipped_ids: frozenset[int] = decoding.special_ids if skip_special_tokens else frozenset()
         self._check(prompt_tail_ids)
@@ -122,6 +123,10 @@ class WindowDetokenizer:
         end = len(tail)
         while end and (tail[end - 1] in self._byte_fallback_ids or tail[end - 1] in self._skipped_ids):
             end -= 1
+        if end == 0 and self._context_id is not None:
+            # Nothing of the tail is left, yet the output does not start the text: a plain letter
+            # keeps its first space where decode(prompt + output) has it.
+            return [self._context_id]
         return tail[:end]
 
     def _decode(self, ids: list[int]) -> str:

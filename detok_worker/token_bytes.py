@@ -151,6 +151,13 @@ class TokenizerDecoding:
             self.byte_fallback_ids = frozenset(
                 token_id for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items()
                 if _BYTE_PIECE.fullmatch(token))
+            # A plain one-letter token, to stand as the text before an output whose prompt tail was
+            # nothing but an unfinished character (WindowDetokenizer): decoders that strip the first
+            # piece's space (Llama's, Metaspace) would otherwise take the output's first space.
+            self.context_id = next((i for i in map(tokenizer.token_to_id, "aeioutnsrl")
+                                    if i is not None and tokenizer.decode([i]) in "aeioutnsrl"), None)
+
+    context_id: int | None = None
 
 
 # TokenizerIdentity.path of this form names a tiktoken encoding (e.g. "tiktoken:cl100k_base"

@@ -79,6 +79,9 @@ class BeamSearchRequest:
             SamplingParams(), temperature=0.0, seed=0, logprobs=True, top_logprobs=self.search.num_candidates)
         self.in_flight: dict[int, int] = {}  # engine seq_id -> live beam index, this round
         self._results: dict[int, BeamCandidates] = {}
+        self.n = n
+        # The first round's prompt tokens the prefix cache served (later rounds hit their own).
+        self.num_cached_prompt_tokens: int | None = None
 
     def start(self) -> None:
         """Adds the first round; raises RequestRejected if the engine refuses the prompt or any
@@ -103,6 +106,8 @@ class BeamSearchRequest:
         beam_index = self.in_flight.pop(out.seq_id)
         if out.finish_reason in (FinishReason.ABORT, FinishReason.ERROR) or out.token_id is None:
             raise RequestRejected(grpc.StatusCode.INTERNAL, "a beam-search round ended without a token")
+        if self.num_cached_prompt_tokens is None:
+            self.num_cached_prompt_tokens = out.num_cached_prompt_tokens
         self._results[beam_index] = BeamCandidates(list(out.top_token_ids), list(out.top_logprobs))
         if self.in_flight:
             return None
@@ -116,8 +121,11 @@ class BeamSearchRequest:
         for seq_id in self.in_flight:
             self.engine.abort_request(seq_id)
         self.in_flight.clear()
-        return [SequenceOutput(self.request_seq_id, None, finish_reason=FinishReason.ABORT,
-                               num_prompt_tokens=len(self.prompt_token_ids), request_finished=True)]
+        # Each of the n outputs ends with its own finish_reason (the proto's rule), none sent before.
+        outputs = [SequenceOutput(self.request_seq_id, None, finish_reason=FinishReason.ABORT,
+                                  num_prompt_tokens=len(self.prompt_token_ids), index=index) for index in range(self.n)]
+        outputs[-1].request_finished = True
+        return outputs
 
     def _final_outputs(self) -> list[SequenceOutput]:
         outputs: list[SequenceOutput] = []
@@ -128,7 +136,8 @@ class BeamSearchRequest:
                 cumulative += lp
                 out = SequenceOutput(self.request_seq_id, token, num_prompt_tokens=num_prompt,
                                      num_output_tokens=pos + 1, index=index, raw_logprob=lp,
-                                     cumulative_logprob=cumulative)
+                                     cumulative_logprob=cumulative,
+                                     num_cached_prompt_tokens=self.num_cached_prompt_tokens or 0)
                 if self.want_logprobs:
                     out.logprob = lp
                     if hyp.top:

@@ -56,6 +56,7 @@ class SequenceOutput:
     cumulative_logprob: float | None = None  # sum of raw_logprob over this sample's tokens so far
     prompt_logprobs: PromptLogprobs | None = None  # with the first token of sample 0, when asked
     request_finished: bool = False  # the last output of the request: every sample has ended
+    error: str | None = None  # why, with FinishReason.ERROR (the request's own settings: INVALID_ARGUMENT)
 
 
 class LLMEngine:
@@ -185,12 +186,23 @@ class LLMEngine:
             indices = [i for i in range(group.n) if i not in group.ended]
         else:
             indices = list(range(group.n))
-        num_prompt = group.seqs[0].num_prompt_tokens
-        outputs = [SequenceOutput(seq_id, None, finish_reason=FinishReason.ABORT, num_prompt_tokens=num_prompt,
-                                  index=i) for i in indices]
+        # A streaming index's last frame carries its counts as far as it got (the frame's fields
+        # are the last output's); samples of best_of > n sent nothing, so theirs stay 0.
+        by_index = {seq.sample_index: seq for seq in group.seqs} if group.streams else {}
+        outputs = [self._abort_output(group, by_index.get(i), i) for i in indices]
         if outputs:
             outputs[-1].request_finished = True
         return outputs
+
+    @staticmethod
+    def _abort_output(group: SequenceGroup, seq: Sequence | None, index: int) -> SequenceOutput:
+        out = SequenceOutput(group.request_id, None, finish_reason=FinishReason.ABORT,
+                             num_prompt_tokens=group.seqs[0].num_prompt_tokens, index=index)
+        if seq is not None:
+            out.num_output_tokens = len(seq.output_token_ids)
+            out.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+            out.cumulative_logprob = group.cumulative_logprobs[index]
+        return out
 
     def abort_outputs(self, seq_id: int, indexes: set[int]) -> list[SequenceOutput]:
         """Ends only the request's samples at these output indexes (one of n choices hit a stop
@@ -201,15 +213,13 @@ class LLMEngine:
         if group is None or not group.streams or any(s.num_pending_forks for s in group.live_seqs()):
             return []
         outputs = []
-        num_prompt = group.seqs[0].num_prompt_tokens
         for seq in group.live_seqs():
             if seq.sample_index not in indexes:
                 continue
             seq.finish_reason = FinishReason.ABORT
             self._release(seq)
             group.ended.add(seq.sample_index)
-            outputs.append(SequenceOutput(seq_id, None, finish_reason=FinishReason.ABORT,
-                                          num_prompt_tokens=num_prompt, index=seq.sample_index))
+            outputs.append(self._abort_output(group, seq, seq.sample_index))
         if outputs and group.is_finished:
             del self.groups[seq_id]
             outputs[-1].request_finished = True
@@ -378,6 +388,9 @@ class LLMEngine:
             out.num_output_tokens = len(seq.output_token_ids)
             if seq.is_finished:
                 out.finish_reason, out.stop_token_id = seq.finish_reason, seq.stop_token_id
+                if seq.finish_reason == FinishReason.ERROR:
+                    out.error = ("no token was left that both the structured output's grammar and the request's "
+                                 "allowed_token_ids, bad_words and logit_bias allow")
             outputs.append(out)
         return outputs
 

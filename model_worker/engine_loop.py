@@ -178,8 +178,9 @@ class EngineLoop:
         self._owners: dict[int, tuple[StreamOutbox, str]] = {}
         self._lock = threading.Lock()  # guards the three _pending_* lists
         self._pending_adds: list[tuple[StreamOutbox, int, NewRequest]] = []
-        # seq_id, and the failure to end it with (None: a client's abort, ended FINISH_REASON_ABORT)
-        self._pending_aborts: list[tuple[int, RequestFailure | None]] = []
+        # seq_id, the failure to end it with (None: a client's abort, ended FINISH_REASON_ABORT), and
+        # its stream (where the failure goes even if the request has ended meanwhile)
+        self._pending_aborts: list[tuple[int, RequestFailure | None, StreamOutbox]] = []
         # (seq_id, output indexes): aborts of some of a request's n outputs
         self._pending_output_aborts: list[tuple[int, set[int]]] = []
         self._beam_requests: dict[int, BeamSearchRequest] = {}  # by the request's seq_id
@@ -269,15 +270,22 @@ class EngineLoop:
             return False
         outbox, request = entry
         outbox.live.pop(request.request_id, None)
-        outbox.queue.put_nowait(failure or (request.request_id, SequenceOutput(
-            seq_id, None, finish_reason=FinishReason.ABORT, request_finished=True)))
+        if failure is not None:
+            outbox.queue.put_nowait(failure)
+            return True
+        # One ABORT per output index, as an engine abort gives (nothing of it ran).
+        num_outputs = max(request.n, 1)
+        for index in range(num_outputs):
+            outbox.queue.put_nowait((request.request_id, SequenceOutput(
+                seq_id, None, finish_reason=FinishReason.ABORT, num_prompt_tokens=len(request.prompt_token_ids),
+                index=index, request_finished=index == num_outputs - 1)))
         return True
 
     def abort(self, outbox: StreamOutbox, request_id: str, failure: RequestFailure | None = None) -> None:
         """Ends a live request: with FINISH_REASON_ABORT, or with `failure` as its last frame."""
         seq_id = outbox.live.get(request_id)
         if seq_id is not None and not self._abort_compiling(seq_id, failure):
-            self._queue_pending(self._pending_aborts, (seq_id, failure))
+            self._queue_pending(self._pending_aborts, (seq_id, failure, outbox))
 
     def abort_outputs(self, outbox: StreamOutbox, request_id: str, indexes: set[int]) -> None:
         """Ends some of a request's n outputs (see AbortRequest.indexes); the others go on."""
@@ -352,9 +360,13 @@ class EngineLoop:
                 self._emit(outbox, RequestFailure(req.request_id, grpc.StatusCode.INTERNAL,
                                                   "adding the request failed; see the model worker's log"),
                            (req.request_id, seq_id))
-        for seq_id, failure in aborts:
+        for seq_id, failure, failure_outbox in aborts:
             owner = self._owners.pop(seq_id, None)
             if owner is None:  # already finished (or refused at admission), or aborted twice
+                if failure is not None:
+                    # The add this failure refuses still gets its answer, after the ended
+                    # request's own last frame.
+                    self._emit(failure_outbox, failure)
                 continue
             outbox, request_id = owner
             beam_request = self._beam_requests.pop(seq_id, None)

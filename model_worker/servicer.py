@@ -113,6 +113,8 @@ class _SequenceFrameBuilder:
             top_token_ids=pack_int32(self.top_ids) if k else b"",
             top_logprobs=pack_float32(self.top_lps) if k else b"",
             finish_reason=int(last.finish_reason),
+            error=(pb.RequestError(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=last.error)
+                   if last.error else None),
             stop_token_id=last.stop_token_id,
             num_prompt_tokens=last.num_prompt_tokens,
             num_output_tokens=last.num_output_tokens,

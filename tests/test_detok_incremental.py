@@ -284,6 +284,11 @@ def test_generic_prompt_tail_ending_inside_a_character(llama_style: Tokenizer) -
         for chunks in ([1] * len(output), [len(output)]):
             deltas = feed_in_chunks(new_detokenizer(TokenizerDecoding(llama_style), True, tail), output, chunks)
             assert "".join(deltas) == llama_style.decode(output) == "\ufffd world", (tail, chunks, deltas)
+    # A tail of nothing but the open run: the output still does not start the text, so its first
+    # word keeps the space Llama's decoder strips from a text's first piece.
+    deltas = feed_in_chunks(new_detokenizer(TokenizerDecoding(llama_style), True, [byte[0xE2], byte[0x82]]),
+                            hello, [1] * len(hello))
+    assert "".join(deltas) == " Hello"
     # A tail whose byte run is a whole character stays context: the output's bytes join its run.
     euro = [byte[b] for b in "€".encode()]
     deltas = feed_in_chunks(new_detokenizer(TokenizerDecoding(llama_style), True, [*hello, *euro]),

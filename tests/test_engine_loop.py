@@ -167,12 +167,34 @@ async def test_a_request_ended_with_a_failure_gets_it_as_its_one_last_item(start
         await asyncio.sleep(0.002)
     failure = RequestFailure("running", grpc.StatusCode.INVALID_ARGUMENT, "added again")
     loop.abort(outbox, "running", failure)
-    loop.abort(outbox, "running", failure)  # a third add before the first end lands: nothing more
+    again = RequestFailure("running", grpc.StatusCode.INVALID_ARGUMENT, "added a third time")
+    loop.abort(outbox, "running", again)  # a third add before the first end lands: refused after it
     items = (await collect(outbox, {"running"}))["running"]
     assert items[-1] is failure
     assert items[:-1] and all(isinstance(o, SequenceOutput) and not o.request_finished for o in items[:-1])
+    assert await asyncio.wait_for(outbox.queue.get(), 5) is again
     await asyncio.sleep(0.05)
     assert outbox.queue.empty() and not outbox.live and not engine.live
+
+
+async def test_a_failure_for_a_request_that_ended_meanwhile_still_goes_out(started):
+    """A duplicate add seen while the request's end was still on its way to the event loop: the
+    request keeps its own last item, and the refusal follows it (each add is answered)."""
+    engine = ScriptedEngine()
+    loop = started(engine)
+    outbox = StreamOutbox()
+    loop.add(outbox, new_request("r", 2))
+    deadline = time.monotonic() + 5
+    while (engine.steps < 2 or engine.live) and time.monotonic() < deadline:
+        time.sleep(0.001)  # the event loop is held: the end is not delivered yet
+    assert "r" in outbox.live
+    failure = RequestFailure("r", grpc.StatusCode.INVALID_ARGUMENT, "added again")
+    loop.abort(outbox, "r", failure)
+    items = (await collect(outbox, {"r"}))["r"]
+    assert items[-1].finish_reason == FinishReason.LENGTH
+    assert await asyncio.wait_for(outbox.queue.get(), 5) is failure
+    await asyncio.sleep(0.05)
+    assert outbox.queue.empty() and not outbox.live
 
 
 async def test_a_compiling_request_ended_with_a_failure_never_runs():

@@ -148,9 +148,54 @@ def test_abort_ends_request_with_abort_and_frees_slot(stub):
     last = results["long"]["last"]
     assert last.finish_reason == pb.FINISH_REASON_ABORT
     assert len(results["long"]["tokens"]) < MAX_MODEL_LEN - 10
+    # Its last frame counts what it made, as every frame does (abort outputs carried 0).
+    assert last.num_output_tokens == len(results["long"]["tokens"]) and last.num_prompt_tokens == 3
     # All 4 slots usable afterwards: 4 concurrent requests all finish.
     again = run_stream(stub, [pb.RequestFrame(adds=[add(f"x{i}", [1, 2], 4) for i in range(4)])])
     assert all(r["last"].finish_reason == pb.FINISH_REASON_LENGTH for r in again.values())
+
+
+def finals_by_index(results: dict, request_id: str, frames: list[pb.RequestFrame], stub) -> list[tuple[int, int]]:
+    finals = []
+    for frame in stub.Generate(iter(frames), timeout=60):
+        finals += [(s.index, s.finish_reason) for s in frame.sequences
+                   if s.request_id == request_id and s.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+    return sorted(finals)
+
+
+@pytest.mark.parametrize("kind", ["beam search", "best_of", "n", "compiling a grammar"])
+def test_an_aborted_request_ends_each_of_its_outputs(stub, kind):
+    """The proto's rule: each index ends with its own finish_reason. Beam search and a request
+    aborted while its grammar compiled ended index 0 alone."""
+    options = {"beam search": {"best_of": 3, "use_beam_search": True},
+               "best_of": {"best_of": 3, "sampling": pb.SamplingParams(temperature=1.0, seed=3)},
+               "n": {"sampling": pb.SamplingParams(temperature=1.0, seed=3)},
+               "compiling a grammar": {"sampling": pb.SamplingParams(temperature=1.0, seed=3),
+                                       "structured_output": pb.StructuredOutput(regex="[ab]{1,30}")}}[kind]
+    request = add("x", [1, 2, 3, 4, 5], 200, n=2, **options)
+    frames = [pb.RequestFrame(adds=[request], aborts=[pb.AbortRequest(request_id="x")])]
+    assert finals_by_index({}, "x", frames, stub) == [(0, pb.FINISH_REASON_ABORT), (1, pb.FINISH_REASON_ABORT)]
+
+
+def test_a_grammar_no_allowed_token_can_follow_ends_with_its_error(stub):
+    # allowed_token_ids holds only "x", which the regex never allows.
+    request = add("g", [1, 2, 3], 20, sampling=pb.SamplingParams(allowed_token_ids=[104]),
+                  structured_output=pb.StructuredOutput(regex="[ab]+"))
+    last = run_stream(stub, [pb.RequestFrame(adds=[request])])["g"]["last"]
+    assert last.finish_reason == pb.FINISH_REASON_ERROR
+    assert last.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "grammar" in last.error.message
+
+
+def test_cached_prompt_tokens_on_beam_outputs_and_abort_frames(stub):
+    prompt = list(range(200, 250))
+    run_stream(stub, [pb.RequestFrame(adds=[add("warm", prompt, 2)])])
+    beams = [s for frame in stub.Generate(iter([pb.RequestFrame(adds=[add("b", prompt, 4, n=2, best_of=2,
+                                                                          use_beam_search=True)])]), timeout=60)
+             for s in frame.sequences]
+    assert beams and all(s.num_cached_prompt_tokens >= 32 for s in beams), [s.num_cached_prompt_tokens for s in beams]
+    aborted = run_stream(stub, [pb.RequestFrame(adds=[add("c", prompt, MAX_MODEL_LEN - 60)]),
+                                pb.RequestFrame(aborts=[pb.AbortRequest(request_id="c")])])["c"]["last"]
+    assert aborted.finish_reason == pb.FINISH_REASON_ABORT and aborted.num_cached_prompt_tokens >= 32
 
 
 def test_health_and_reflection(worker_address):
