@@ -230,7 +230,8 @@ class _GenerationRequest(_TopLevel):
 # apply_chat_template's own arguments: chat_template_kwargs may not set them (vLLM refuses them too).
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 

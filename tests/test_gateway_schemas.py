@@ -245,3 +245,16 @@ def test_tokenize_request_takes_one_input() -> None:
         TokenizeRequest.model_validate({})
     with pytest.raises(ValidationError):
         TokenizeRequest.model_validate({"prompt": "x", "messages": USER})
+
+
+def test_chat_template_kwargs_may_not_set_apply_chat_template_arguments() -> None:
+    """Every named argument of the installed transformers' apply_chat_template is refused as a kwarg."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    from gateway.openai_requests import _RESERVED_TEMPLATE_KWARGS
+
+    named = {name for name, p in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.items()
+             if p.kind is not inspect.Parameter.VAR_KEYWORD and name != "self"}
+    assert named <= _RESERVED_TEMPLATE_KWARGS, sorted(named - _RESERVED_TEMPLATE_KWARGS)
