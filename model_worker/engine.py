@@ -135,9 +135,6 @@ class LLMEngine:
         best_of samples (0: n); returns its first sample. Raises RequestRejected with a clear message."""
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         max_tokens = self.validate_request(prompt_token_ids, sampling, max_tokens, stop_token_ids)
-        if len(self.scheduler.waiting) >= self.max_waiting_requests:
-            raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"{len(self.scheduler.waiting)} requests are already waiting; try again later")
         best_of = best_of or n
         if n < 1:
             raise RequestRejected(invalid, f"n must be >= 1, not {n}")
@@ -146,6 +143,11 @@ class LLMEngine:
         limit = min(self.max_best_of, self.scheduler.max_num_seqs)
         if best_of > limit:
             raise RequestRejected(invalid, f"best_of (or n) must be <= {limit}, not {best_of}")
+        # After the checks of the request itself: a bad request is a 400 whatever the load, not a 429
+        # that a retry would only repeat.
+        if len(self.scheduler.waiting) >= self.max_waiting_requests:
+            raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"{len(self.scheduler.waiting)} requests are already waiting; try again later")
         if best_of > n:
             # Samples are ranked by the summed logprob of their tokens, wanted or not.
             sampling = dataclasses.replace(sampling, needs_cumulative_logprob=True)

@@ -162,6 +162,17 @@ def test_ids_past_the_tokenizer_are_never_picked(runner, tiny_model_dir):
     assert len(seen) > 20 and max(seen) < 300, sorted(seen)[-5:]
 
 
+def test_a_bad_request_is_refused_as_bad_even_when_the_queue_is_full(runner):
+    engine = LLMEngine(runner, [], max_num_seqs=16, max_num_batched_tokens=512, max_waiting_requests=1)
+    engine.add_request(1, [5, 6, 7], SamplingParams(), 4, [], True)  # waits: the queue is full
+    with pytest.raises(RequestRejected) as bad:
+        engine.add_request(2, [5, 6, 7], SamplingParams(), 4, [], True, n=2, best_of=1)
+    assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT  # not RESOURCE_EXHAUSTED: a retry cannot help
+    with pytest.raises(RequestRejected) as full:
+        engine.add_request(3, [5, 6, 7], SamplingParams(), 4, [], True)
+    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_cumulative_logprob_is_the_sum_of_raw_logprobs(runner):
     params = SamplingParams(temperature=1.0, seed=9, logprobs=True)
     r = run_engine(runner, {1: ([5, 6, 7], params, 10)})[1]
