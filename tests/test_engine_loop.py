@@ -197,26 +197,6 @@ async def test_a_failure_for_a_request_that_ended_meanwhile_still_goes_out(start
     assert outbox.queue.empty() and not outbox.live
 
 
-async def test_a_compiling_request_ended_with_a_failure_never_runs():
-    engine = ScriptedEngine(step_s=0.001)
-    compiler = ControlledCompiler()
-    loop = EngineLoop(engine, compiler)
-    loop.start()
-    try:
-        outbox = StreamOutbox()
-        request = new_request("constrained", 10_000)
-        request.constraint = Constraint("regex", "a+")
-        loop.add(outbox, request)
-        failure = RequestFailure("constrained", grpc.StatusCode.INVALID_ARGUMENT, "added again")
-        loop.abort(outbox, "constrained", failure)
-        compiler.futures[0].set_result(object())
-        assert (await collect(outbox, {"constrained"}))["constrained"] == [failure]
-        await asyncio.sleep(0.05)
-        assert outbox.queue.empty() and not outbox.live and engine.steps == 0
-    finally:
-        await loop.stop()
-
-
 async def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(started):
     engine = ScriptedEngine()
     loop = started(engine)
@@ -323,7 +303,9 @@ class ControlledCompiler:
         return self.futures[-1]
 
 
-async def test_abort_while_compiling_ends_once_and_never_runs():
+@pytest.mark.parametrize("with_failure", [False, True], ids=["abort", "failure"])
+async def test_abort_while_compiling_ends_once_and_never_runs(with_failure: bool):
+    """A client's abort ends it with ABORT; a duplicate add's failure (servicer) with that failure."""
     engine = ScriptedEngine(step_s=0.001)
     compiler = ControlledCompiler()
     loop = EngineLoop(engine, compiler)
@@ -333,10 +315,11 @@ async def test_abort_while_compiling_ends_once_and_never_runs():
         request = new_request("constrained", 10_000)
         request.constraint = Constraint("regex", "a+")
         loop.add(outbox, request)
-        loop.abort(outbox, "constrained")
+        failure = RequestFailure("constrained", grpc.StatusCode.INVALID_ARGUMENT, "added again") if with_failure else None
+        loop.abort(outbox, "constrained", failure)
         compiler.futures[0].set_result(object())  # the compile finishes after the abort
         [out] = (await collect(outbox, {"constrained"}))["constrained"]
-        assert out.finish_reason == FinishReason.ABORT
+        assert out is failure if with_failure else out.finish_reason == FinishReason.ABORT
         await asyncio.sleep(0.05)
         assert outbox.queue.empty() and not outbox.live
         assert engine.steps == 0 and not engine.live  # it never reached the engine
