@@ -66,6 +66,9 @@ class RequestFailure:
     request_id: str
     code: grpc.StatusCode
     message: str
+    # Set by EngineLoop.abort when the engine thread will deliver it: its stream counts it as
+    # unanswered until then (StreamOutbox.unanswered).
+    pending: bool = False
 
 
 @dataclass(eq=False)  # identity: the servicer keeps the open ones in a set
@@ -77,6 +80,9 @@ class StreamOutbox:
     # request_id -> engine seq_id for requests of this stream that have not finished
     live: dict[str, int] = field(default_factory=dict)
     framing: bool = False  # items taken from the queue are being framed and sent (the servicer sets it)
+    # Refusals on their way from the engine thread (EngineLoop.abort with a failure): the stream
+    # stays open for them even once no request of it is live.
+    unanswered: int = 0
 
 
 # Longest a pass that produced first tokens waits for the event loop to send them (see
@@ -285,6 +291,9 @@ class EngineLoop:
         """Ends a live request: with FINISH_REASON_ABORT, or with `failure` as its last frame."""
         seq_id = outbox.live.get(request_id)
         if seq_id is not None and not self._abort_compiling(seq_id, failure):
+            if failure is not None:
+                failure.pending = True
+                outbox.unanswered += 1
             self._queue_pending(self._pending_aborts, (seq_id, failure, outbox))
 
     def abort_outputs(self, outbox: StreamOutbox, request_id: str, indexes: set[int]) -> None:
@@ -308,6 +317,8 @@ class EngineLoop:
                 request_id, seq_id = ended
                 if outbox.live.get(request_id) == seq_id:
                     del outbox.live[request_id]
+            if isinstance(item, RequestFailure) and item.pending:
+                outbox.unanswered -= 1
             outbox.queue.put_nowait(item)
 
     # --- engine thread side ---

@@ -171,7 +171,8 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         waits in its queue or is being framed. The engine having no work is not enough: its last
         outputs still cross to the event loop and into a frame after the step that ended them."""
         return not self.loop.engine.has_work() and all(
-            not outbox.live and outbox.queue.empty() and not outbox.framing for outbox in self._streams)
+            not outbox.live and not outbox.unanswered and outbox.queue.empty() and not outbox.framing
+            for outbox in self._streams)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.model_info
@@ -198,7 +199,7 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         reader = asyncio.create_task(self._read_requests(request_iterator, outbox))
         input_closed = False
         try:
-            while not (input_closed and not outbox.live and outbox.queue.empty()):
+            while not (input_closed and not outbox.live and not outbox.unanswered and outbox.queue.empty()):
                 items = [await outbox.queue.get()]
                 outbox.framing = True
                 # Coalesce everything already waiting: under load one frame carries several

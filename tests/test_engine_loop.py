@@ -194,7 +194,7 @@ async def test_a_failure_for_a_request_that_ended_meanwhile_still_goes_out(start
     assert items[-1].finish_reason == FinishReason.LENGTH
     assert await asyncio.wait_for(outbox.queue.get(), 5) is failure
     await asyncio.sleep(0.05)
-    assert outbox.queue.empty() and not outbox.live
+    assert outbox.queue.empty() and not outbox.live and outbox.unanswered == 0
 
 
 async def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(started):
@@ -346,6 +346,17 @@ def test_drained_only_once_the_last_output_is_framed():
     assert servicer.is_drained()
     engine.live[1] = [1, 0]
     assert not servicer.is_drained()  # the engine still has work (say, a closed stream's abort)
+
+
+def test_a_stream_with_a_refusal_on_its_way_is_not_drained():
+    """A duplicate add's refusal may come after the request it refused has ended (no request of the
+    stream live any more): the stream stays open for it (StreamOutbox.unanswered)."""
+    servicer = ModelWorkerServicer(EngineLoop(ScriptedEngine()), pb.ModelInfo())
+    outbox = StreamOutbox()
+    servicer._streams.add(outbox)
+    assert servicer.is_drained()
+    outbox.unanswered = 1
+    assert not servicer.is_drained()
 
 
 def test_drain_ends_each_generate_call_once_its_requests_have():

@@ -5,6 +5,8 @@ Runs on the tiny random-weight model (SmolLM2 tokenizer), so it is fast and CPU-
 
 from __future__ import annotations
 
+import queue
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -193,9 +195,17 @@ def test_cached_prompt_tokens_on_beam_outputs_and_abort_frames(stub):
                                                                           use_beam_search=True)])]), timeout=60)
              for s in frame.sequences]
     assert beams and all(s.num_cached_prompt_tokens >= 32 for s in beams), [s.num_cached_prompt_tokens for s in beams]
-    aborted = run_stream(stub, [pb.RequestFrame(adds=[add("c", prompt, MAX_MODEL_LEN - 60)]),
-                                pb.RequestFrame(aborts=[pb.AbortRequest(request_id="c")])])["c"]["last"]
-    assert aborted.finish_reason == pb.FINISH_REASON_ABORT and aborted.num_cached_prompt_tokens >= 32
+    # Aborted once it has run (an abort that overtakes its admission finds nothing cached yet).
+    frames: queue.Queue = queue.Queue()
+    frames.put(pb.RequestFrame(adds=[add("c", prompt, MAX_MODEL_LEN - 60)]))
+    call = stub.Generate(iter(frames.get, None), timeout=60)
+    first = next(call).sequences[0]
+    frames.put(pb.RequestFrame(aborts=[pb.AbortRequest(request_id="c")]))
+    frames.put(None)
+    aborted = [s for frame in call for s in frame.sequences][-1]
+    assert first.num_cached_prompt_tokens >= 32
+    assert aborted.finish_reason == pb.FINISH_REASON_ABORT
+    assert aborted.num_cached_prompt_tokens == first.num_cached_prompt_tokens
 
 
 def test_health_and_reflection(worker_address):
