@@ -154,8 +154,8 @@ class TokenizerDecoding:
             # A plain one-letter token, to stand as the text before an output whose prompt tail was
             # nothing but an unfinished character (WindowDetokenizer): decoders that strip the first
             # piece's space (Llama's, Metaspace) would otherwise take the output's first space.
-            self.context_id = next((i for i in map(tokenizer.token_to_id, "aeioutnsrl")
-                                    if i is not None and tokenizer.decode([i]) in "aeioutnsrl"), None)
+            self.context_id = next((i for letter in "aeioutnsrl" if (i := tokenizer.token_to_id(letter)) is not None
+                                    and tokenizer.decode([i]) == letter), None)
 
     context_id: int | None = None
 

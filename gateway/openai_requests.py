@@ -231,8 +231,7 @@ class _GenerationRequest(_TopLevel):
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
-    "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class _ChatTemplateFields(BaseModel):
@@ -248,7 +247,8 @@ class _ChatTemplateFields(BaseModel):
     @model_validator(mode="after")
     def _check_template_fields(self) -> _ChatTemplateFields:
         if self.add_generation_prompt and self.continue_final_message:
-            raise ParamError("continue_final_message", "continue_final_message and add_generation_prompt cannot both be true "
+            raise ParamError("continue_final_message",
+                             "continue_final_message and add_generation_prompt cannot both be true "
                              "(set add_generation_prompt to false to continue the last message)")
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if reserved:

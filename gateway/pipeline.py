@@ -288,12 +288,14 @@ class Pipeline:
         index = request.detok.index
         renders = bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
         text_ids = seq.token_ids
-        if seq.HasField("stop_token_id") and seq.stop_token_id in request.params.stop_token_ids:
-            state.stop_reason = seq.stop_token_id  # eos is no stop_reason (vLLM's rule)
-        if seq.HasField("stop_token_id") and not request.params.include_stop_str_in_output and len(text_ids) >= 4:
-            # The stop token (a stop_token_ids entry, or eos) counts in usage and logprobs but not in
-            # the text, as in vLLM: "<|im_end|>" with skip_special_tokens off, or a plain-word stop id.
-            text_ids = text_ids[:-4]
+        if seq.HasField("stop_token_id"):
+            if seq.stop_token_id in request.params.stop_token_ids:
+                state.stop_reason = seq.stop_token_id  # eos is no stop_reason (vLLM's rule)
+            if not request.params.include_stop_str_in_output and len(text_ids) >= 4:
+                # The stop token (a stop_token_ids entry, or eos; the last int32 of the packed ids)
+                # counts in usage and logprobs but not in the text, as in vLLM: "<|im_end|>" with
+                # skip_special_tokens off, or a plain-word stop id.
+                text_ids = text_ids[:-4]
         if not state.detok_opened:
             # Opened with its first tokens: a request the model worker refuses never
             # costs the detok worker anything.

@@ -7,6 +7,7 @@ encodes each prompt with it before the pipeline sends the ids to the model worke
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from gateway.errors import invalid_request
@@ -60,17 +61,13 @@ class PromptTokenizer:
                                 continue_final_message: bool = False,
                                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """encode_chat, off the event loop for a long conversation (INLINE_ENCODE_MAX_CHARS)."""
-        args = (messages, add_generation_prompt, continue_final_message, template_kwargs)
         chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-        if chars <= INLINE_ENCODE_MAX_CHARS:
-            return self.encode_chat(*args)
-        return await asyncio.to_thread(self.encode_chat, *args)
+        return await _off_loop_if_long(chars, self.encode_chat, messages, add_generation_prompt,
+                                       continue_final_message, template_kwargs)
 
     async def encode_text_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """encode_text, off the event loop for a long text (INLINE_ENCODE_MAX_CHARS)."""
-        if len(text) <= INLINE_ENCODE_MAX_CHARS:
-            return self.encode_text(text, add_special_tokens)
-        return await asyncio.to_thread(self.encode_text, text, add_special_tokens)
+        return await _off_loop_if_long(len(text), self.encode_text, text, add_special_tokens)
 
     def encode_words(self, text: str) -> list[int]:
         """Text as it would read inside an output: no BOS or other special tokens (bad_words)."""
@@ -101,3 +98,10 @@ class PromptTokenizer:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+async def _off_loop_if_long(chars: int, encode: Callable[..., list[int]], *args: Any) -> list[int]:
+    """encode(*args) inline for at most INLINE_ENCODE_MAX_CHARS characters, on a worker thread beyond."""
+    if chars <= INLINE_ENCODE_MAX_CHARS:
+        return encode(*args)
+    return await asyncio.to_thread(encode, *args)

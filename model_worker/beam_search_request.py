@@ -16,7 +16,7 @@ from collections.abc import Callable
 import grpc
 
 from model_worker.beam_search import BeamCandidates, BeamSearch
-from model_worker.engine import LLMEngine, RequestRejected, SequenceOutput
+from model_worker.engine import LLMEngine, RequestRejected, SequenceOutput, abort_outputs_unstarted
 from model_worker.sequence import FinishReason, SamplingParams
 
 # AddRequest.length_penalty's bound (model_worker.proto): scores divide by length **
@@ -121,11 +121,7 @@ class BeamSearchRequest:
         for seq_id in self.in_flight:
             self.engine.abort_request(seq_id)
         self.in_flight.clear()
-        # Each of the n outputs ends with its own finish_reason (the proto's rule), none sent before.
-        outputs = [SequenceOutput(self.request_seq_id, None, finish_reason=FinishReason.ABORT,
-                                  num_prompt_tokens=len(self.prompt_token_ids), index=index) for index in range(self.n)]
-        outputs[-1].request_finished = True
-        return outputs
+        return abort_outputs_unstarted(self.request_seq_id, len(self.prompt_token_ids), self.n)
 
     def _final_outputs(self) -> list[SequenceOutput]:
         outputs: list[SequenceOutput] = []

@@ -59,6 +59,15 @@ class SequenceOutput:
     error: str | None = None  # why, with FinishReason.ERROR (the request's own settings: INVALID_ARGUMENT)
 
 
+def abort_outputs_unstarted(seq_id: int, num_prompt_tokens: int, n: int) -> list[SequenceOutput]:
+    """One ABORT output per index (the last marked request_finished) for a request of n outputs of
+    which nothing was sent: each index ends with its own finish_reason, as the proto says."""
+    outputs = [SequenceOutput(seq_id, None, finish_reason=FinishReason.ABORT, num_prompt_tokens=num_prompt_tokens,
+                              index=index) for index in range(max(n, 1))]
+    outputs[-1].request_finished = True
+    return outputs
+
+
 class LLMEngine:
     def __init__(self, runner: ModelRunner, eos_token_ids: list[int], max_num_seqs: int,
                  max_num_batched_tokens: int, max_waiting_requests: int, seed: int = 0,

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from model_worker.beam_search_request import BeamSearchRequest
-from model_worker.engine import LLMEngine, RequestRejected, SequenceOutput
-from model_worker.sequence import FinishReason, SamplingParams
+from model_worker.engine import LLMEngine, RequestRejected, SequenceOutput, abort_outputs_unstarted
+from model_worker.sequence import SamplingParams
 from model_worker.structured_output import CompiledGrammar, Constraint, GrammarCompiler, GrammarError
 
 logger = logging.getLogger(__name__)
@@ -279,12 +279,8 @@ class EngineLoop:
         if failure is not None:
             outbox.queue.put_nowait(failure)
             return True
-        # One ABORT per output index, as an engine abort gives (nothing of it ran).
-        num_outputs = max(request.n, 1)
-        for index in range(num_outputs):
-            outbox.queue.put_nowait((request.request_id, SequenceOutput(
-                seq_id, None, finish_reason=FinishReason.ABORT, num_prompt_tokens=len(request.prompt_token_ids),
-                index=index, request_finished=index == num_outputs - 1)))
+        for out in abort_outputs_unstarted(seq_id, len(request.prompt_token_ids), request.n):
+            outbox.queue.put_nowait((request.request_id, out))
         return True
 
     def abort(self, outbox: StreamOutbox, request_id: str, failure: RequestFailure | None = None) -> None:
