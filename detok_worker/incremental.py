@@ -90,8 +90,8 @@ class WindowDetokenizer:
     step back (or in the prompt tail) to decode the next piece with its leading space."""
 
     __slots__ = ("_tokenizer", "_vocab_size", "_skip_special_tokens", "_byte_fallback_ids", "_context_id", "_skipped_ids",
-                 "_ids", "_read_offset", "_prefix_text", "_window_before_feed", "_read_offset_before_feed",
-                 "_prefix_text_before_feed")
+                 "_ids", "_read_offset", "_prefix_text", "_window_before_feed", "_window_len_before_feed",
+                 "_read_offset_before_feed", "_prefix_text_before_feed")
 
     def __init__(self, decoding: TokenizerDecoding, skip_special_tokens: bool,
                  prompt_tail_ids: Sequence[int] = ()) -> None:
@@ -108,7 +108,10 @@ class WindowDetokenizer:
         self._ids: list[int] = self._without_open_byte_run(list(prompt_tail_ids))
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
+        # The window before the last feed is _window_before_feed[:_window_len_before_feed]: feed
+        # only appends to _ids and emitting starts a new list, so no copy per feed is needed.
         self._window_before_feed: list[int] = []
+        self._window_len_before_feed = 0
         self._read_offset_before_feed = 0
         self._prefix_text_before_feed = ""
 
@@ -139,20 +142,23 @@ class WindowDetokenizer:
 
     def feed(self, token_ids: Sequence[int]) -> str:
         self._check(token_ids)
-        self._window_before_feed = list(self._ids)
-        self._read_offset_before_feed = self._read_offset
-        self._prefix_text_before_feed = self._prefix_text
+        self._remember_window()
         self._ids.extend(token_ids)
+        # ByteFallback decodes a run of <0xNN> pieces as a whole: one invalid byte later in the
+        # run turns every byte of it into U+FFFD, even a character already complete, so nothing
+        # of an open run is final before it ends. Checked before the decode, which it would
+        # throw away: a decode of the growing window per byte made a long run quadratic.
+        if self._in_byte_run():
+            return ""
         text = self._decode(self._ids)
         # A trailing U+FFFD is most likely a character whose bytes are still to come; hold it
-        # rather than emit a replacement char. ByteFallback decodes a run of <0xNN> pieces as
-        # a whole: one invalid byte later in the run turns every byte of it into U+FFFD, even
-        # a character already complete, so nothing of an open run is final before it ends.
-        if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR) or self._in_byte_run():
+        # rather than emit a replacement char.
+        if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR):
             return ""
         delta = text[len(self._prefix_text):]
-        # The ids just emitted become the next window's prefix.
-        del self._ids[:self._read_offset]
+        # The ids just emitted become the next window's prefix; a new list, since the old one
+        # still holds the window before this feed.
+        self._ids = self._ids[self._read_offset:]
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         return delta
@@ -165,10 +171,14 @@ class WindowDetokenizer:
                 return token_id in self._byte_fallback_ids
         return False
 
-    def finish(self) -> str:
-        self._window_before_feed = list(self._ids)
+    def _remember_window(self) -> None:
+        self._window_before_feed = self._ids
+        self._window_len_before_feed = len(self._ids)
         self._read_offset_before_feed = self._read_offset
         self._prefix_text_before_feed = self._prefix_text
+
+    def finish(self) -> str:
+        self._remember_window()
         text = self._decode(self._ids)
         delta = text[len(self._prefix_text):]
         self._ids = []
@@ -182,7 +192,7 @@ class WindowDetokenizer:
         # The replay does not hold back for an open byte run: the stop's characters first
         # appear in decode(ids) at the piece that completes them, which is the count wanted.
         prefix = self._window_before_feed[:self._read_offset_before_feed]
-        held = self._window_before_feed[self._read_offset_before_feed:]
+        held = self._window_before_feed[self._read_offset_before_feed:self._window_len_before_feed]
         prefix_len = len(self._prefix_text_before_feed)
         window = list(prefix)
         for count, token_id in enumerate([*held, *token_ids], start=1 - len(held)):

@@ -143,7 +143,9 @@ class TokenizerDecoding:
                                 for skip in (False, True)}
             return
         self.tokenizer = tokenizer
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # One past the largest id, as build_token_bytes and the model worker's num_token_ids count
+        # it: get_vocab_size counts tokens, which falls short of the ids above a gap in the range.
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         if is_byte_level(tokenizer):
             self.token_bytes = {skip: build_token_bytes(tokenizer, skip, use_tiktoken) for skip in (False, True)}

@@ -169,8 +169,11 @@ async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Seque
                    stream: bool, responder: Responder, prompt_param: str, prompt_only: bool = False) -> Response:
     """prompt_only: each choice's one generated token is left out of the answer (echo with
     max_tokens 0: the prompt is what is asked for)."""
+    # The scoring token of prompt_only is not the client's: the refusal counts the prompt alone,
+    # which refuses at the same length (a full context has no room for that token either).
+    max_tokens = None if prompt_only else params.max_tokens
     for prompt_ids in prompts:
-        check_context_length(len(prompt_ids), params.max_tokens, pipeline.model_info.max_model_len, prompt_param)
+        check_context_length(len(prompt_ids), max_tokens, pipeline.model_info.max_model_len, prompt_param)
     num_prompt_tokens = sum(len(p) for p in prompts)
     num_choices = len(prompts) * params.n
     access = access_record(request.scope)

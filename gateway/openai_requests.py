@@ -244,8 +244,13 @@ class _ChatTemplateFields(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def _applies_chat_template(self) -> bool:
+        return True
+
     @model_validator(mode="after")
     def _check_template_fields(self) -> _ChatTemplateFields:
+        if not self._applies_chat_template():
+            return self
         if self.add_generation_prompt and self.continue_final_message:
             raise ParamError("continue_final_message",
                              "continue_final_message and add_generation_prompt cannot both be true "
@@ -334,6 +339,10 @@ class TokenizeRequest(_ChatTemplateFields, _TopLevel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt or messages")
         return self
+
+    def _applies_chat_template(self) -> bool:
+        # A prompt ignores the template fields, as vLLM's TokenizeCompletionRequest (which has none).
+        return self.messages is not None
 
 
 class DetokenizeRequest(_TopLevel):

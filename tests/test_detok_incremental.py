@@ -259,6 +259,40 @@ def test_generic_byte_run_made_invalid_by_a_later_byte(llama_style: Tokenizer) -
     assert_deltas_match(deltas, expected)
 
 
+class CountingDecodes:
+    """The tokenizer's decode, counted."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.calls = 0
+
+    def decode(self, ids: list[int], **kwargs: bool) -> str:
+        self.calls += 1
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("run", ["invalid", "valid", "ascii", "mixed"])
+def test_generic_long_byte_run_decodes_once_per_run(llama_style: Tokenizer, run: str) -> None:
+    """Nothing of an open byte run is emitted, so its window is not decoded until the run ends:
+    a decode per byte of a growing window made a long run quadratic."""
+    byte = {b: llama_style.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+    data = {"invalid": b"\xe2" * 500, "valid": "€".encode() * 167, "ascii": b"A" * 500,
+            "mixed": ("€".encode() + b"\x80") * 125}[run]
+    hello = llama_style.encode("Hello").ids
+    decoding = TokenizerDecoding(llama_style)
+    counting = CountingDecodes(llama_style)
+    decoding.tokenizer = counting  # type: ignore[assignment]
+    detokenizer = new_detokenizer(decoding, True)
+    deltas = [detokenizer.feed(hello)]
+    counting.calls = 0
+    deltas += [detokenizer.feed([byte[b]]) for b in data]
+    assert counting.calls <= 1, f"{counting.calls} decodes over a run of {len(data)} byte pieces"
+    deltas += [detokenizer.feed(hello), detokenizer.feed([byte[b] for b in data]), detokenizer.feed(hello)]
+    deltas.append(detokenizer.finish())
+    ids = [*hello, *[byte[b] for b in data], *hello, *[byte[b] for b in data], *hello]
+    assert_deltas_match(deltas, llama_style.decode(ids))
+
+
 def test_generic_prompt_tail_keeps_the_leading_space(metaspace: Tokenizer) -> None:
     """Metaspace drops the space of the first piece it decodes; with the prompt's tail as
     context the first generated word keeps it, as in decode(prompt + output)."""

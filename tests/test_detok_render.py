@@ -6,10 +6,13 @@ Partial-character tokens, special tokens, SentencePiece byte-fallback and '▁' 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from detok_worker.incremental import new_detokenizer
 from detok_worker.render import TokenRenderer, renderer_for, token_text
 from detok_worker.stream import DetokenizeStream
 from detok_worker.token_bytes import TokenizerDecoding
@@ -134,3 +137,36 @@ def test_bad_render_ids_fail_only_their_sequence(smollm2_decoding: TokenizerDeco
     assert "multiple of 4" in deltas["b"].error
     assert not deltas["c"].error and deltas["c"].text
     assert stream.live_sequence_ids == ["c"]
+
+
+def with_id_gap(tokenizer: Tokenizer, gap: int) -> tuple[Tokenizer, int]:
+    """The tokenizer with its highest model-vocab piece moved gap ids up, and that piece's id.
+    (tokenizers ignores the ids of added tokens that are not in the model vocab, so a gap in
+    the id range has to come from the model vocab, as in a tokenizer.json whose vocab skips ids.)"""
+    spec = json.loads(tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    last = max(vocab, key=vocab.get)
+    vocab[last] += gap
+    return Tokenizer.from_str(json.dumps(spec)), vocab[last]
+
+
+@pytest.mark.parametrize("name", ["llama2_style", "smollm2"])
+def test_ids_past_a_gap_in_the_vocabulary(request: pytest.FixtureRequest, name: str) -> None:
+    """The vocabulary's range is max id + 1 (as the model worker's num_token_ids masks), not its
+    count of tokens: the ids above a gap are the tokenizer's, the ids in it are not."""
+    base = detok_tokenizers.llama2_style() if name == "llama2_style" else request.getfixturevalue("smollm2")
+    tokenizer, high = with_id_gap(base, 20)
+    decoding = TokenizerDecoding(tokenizer)
+    renderer = TokenRenderer(decoding)
+    # The same piece as at its id in the tokenizer without the gap.
+    assert render(renderer, [high]) == render(TokenRenderer(TokenizerDecoding(base)), [high - 20])
+    for skip in (False, True):
+        detokenizer = new_detokenizer(decoding, skip)
+        assert detokenizer.feed([high]) + detokenizer.finish() == tokenizer.decode([high], skip_special_tokens=skip)
+    assert decoding.vocab_size == high + 1 > tokenizer.get_vocab_size(with_added_tokens=True)
+    in_gap = high - 1
+    assert tokenizer.id_to_token(in_gap) is None
+    with pytest.raises(ValueError, match=f"token id {in_gap} is not in the tokenizer's vocabulary"):
+        renderer.render(np.array([in_gap], dtype="<i4"))
+    with pytest.raises(ValueError, match=f"token id {high + 1} is not in the tokenizer's vocabulary"):
+        renderer.render(np.array([high + 1], dtype="<i4"))

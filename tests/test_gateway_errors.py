@@ -134,6 +134,33 @@ async def test_a_stream_still_waiting_for_its_first_token_ends_when_the_client_l
     assert response.status_code == 499 and generator_closed.is_set()
 
 
+async def test_scoring_a_prompt_counts_no_completion_token_in_the_context_error() -> None:
+    # echo with max_tokens 0 runs one scoring token (CompletionRequest.completion_token_limit) that
+    # the client never asked for: the refusal counts the prompt only, at the same boundary.
+    class Accepted(Exception):
+        pass
+
+    class Pipeline:
+        model_info = SimpleNamespace(max_model_len=64)
+
+        def generate(self, prompt_ids, params):
+            raise Accepted
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    request = Request({"type": "http", "app": create_app(Config()), "method": "POST", "path": "/v1/completions",
+                       "headers": []}, receive)
+    scoring = GenerationParams(max_tokens=1)
+    with pytest.raises(Accepted):
+        await _respond(request, Pipeline(), [[1] * 63], scoring, False, None, "prompt", prompt_only=True)
+    with pytest.raises(APIError) as refused:
+        await _respond(request, Pipeline(), [[1] * 64], scoring, False, None, "prompt", prompt_only=True)
+    assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
+    assert "your prompt resulted in 64 tokens" in refused.value.message, refused.value.message
+    assert "completion" not in refused.value.message, refused.value.message
+
+
 def test_request_id_is_echoed_or_made(client: TestClient) -> None:
     response = client.post("/v1/completions", json={"model": "m"}, headers={"X-Request-Id": "abc-123"})
     assert response.status_code == 400 and response.headers["x-request-id"] == "abc-123"
@@ -189,6 +216,28 @@ def test_checks_across_fields_name_their_param(client: TestClient, extra: dict, 
                            json={"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
     assert response.status_code == 400
     assert assert_openai_error(response.json())["param"] == param
+
+
+@pytest.mark.parametrize("extra", [
+    {"continue_final_message": True},  # with add_generation_prompt's default true
+    {"chat_template_kwargs": {"tokenize": True}},
+])
+def test_tokenize_checks_chat_template_fields_of_messages_only(client: TestClient, extra: dict) -> None:
+    # vLLM's TokenizeCompletionRequest has no chat template fields: a prompt ignores them.
+    class Tokenizer:
+        async def encode_text_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [ord(c) for c in text]
+
+    app = create_app(Config())
+    app.state.served_model_name = "m"
+    app.state.pipeline = SimpleNamespace(tokenizer=Tokenizer(), model_info=SimpleNamespace(max_model_len=64))
+    served = TestClient(app)  # not entered: the stand-in pipeline above is the one served
+    response = served.post("/tokenize", json={"prompt": "hi", **extra})
+    assert response.status_code == 200, response.text
+    assert response.json()["tokens"] == [ord("h"), ord("i")]
+    response = served.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}], **extra})
+    assert response.status_code == 400
+    assert assert_openai_error(response.json())["param"] == next(iter(extra))
 
 
 def test_wrong_method_is_a_405_client_error_with_allow(client: TestClient) -> None:
