@@ -101,3 +101,24 @@ def model_id_for(model: str, model_dir: Path) -> str:
     if model == DEFAULT_MODEL:
         return DEFAULT_MODEL_ID
     return Path(model).stem if model.endswith(".gguf") else model_dir.name
+
+
+# The GGUF tensors of a decoder layer's matmuls (llama.cpp's names), whose quantization
+# --int4-small-batch auto looks at.
+_GGUF_MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def gguf_matmul_types(model_dir: Path) -> set[str]:
+    """The quantization types (e.g. {"Q4_1"}) of the decoder layers' matmul weights in the GGUF
+    file model_dir was converted from; empty for a model not from a GGUF (or whose file is gone)."""
+    try:
+        source = Path(json.loads((model_dir / "tokenwire_source.json").read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    if not source.is_file():
+        return set()
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(source))
+    return {tensor.tensor_type.name for tensor in reader.tensors
+            if tensor.name.startswith("blk.") and tensor.name.split(".")[-2] in _GGUF_MATMULS}

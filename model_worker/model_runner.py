@@ -25,6 +25,7 @@ from model_worker.device_transfer import tensor_on
 from model_worker.kernels import (
     DEFAULT_BUILD_ROOT,
     bf16_linear_module,
+    int4_linear_module,
     int8_linear_module,
     llama_ops_module,
     paged_decode_attention_fits,
@@ -161,7 +162,7 @@ class ModelRunner:
                  int8_small_batch: bool = False, batch_invariant: bool = False,
                  cpu_decode_kernel: bool = True, kernel_build_root: Path = DEFAULT_BUILD_ROOT,
                  decode_graphs: bool = False, bf16_small_batch: bool = False,
-                 cpu_bf16_matmul: str = "onednn") -> None:
+                 cpu_bf16_matmul: str = "onednn", int4_small_batch: bool = False) -> None:
         config = json.loads((model_dir / "config.json").read_text())
         self.shape = model_shape(config)
         self.device = device
@@ -179,8 +180,9 @@ class ModelRunner:
         if isinstance(s, HFShape):
             logger.warning("architectures %s have no native model here: running them through transformers, "
                            "one sequence at a time, without prefix caching (slower)", s.architectures)
-            if int8_small_batch or bf16_small_batch:
-                flag = "--int8-small-batch" if int8_small_batch else "--bf16-small-batch"
+            if int8_small_batch or bf16_small_batch or int4_small_batch:
+                flag = ("--int8-small-batch" if int8_small_batch else
+                        "--int4-small-batch" if int4_small_batch else "--bf16-small-batch")
                 raise ValueError(f"{flag} is only for natively run architectures "
                                  "(Llama family, GPT-2), not the transformers fallback")
             self.model = HFCausalLM(model_dir, s, load_format, device, dtype)
@@ -201,13 +203,21 @@ class ModelRunner:
             int8_kernel = int8_linear_module(kernel_build_root) if cpu_kernels and int8_small_batch else None
             bf16_kernel, bf16_large_steps = self._bf16_matmul(bf16_cpu_kernels, kernel_build_root, bf16_small_batch,
                                                               cpu_bf16_matmul)
+            int4_kernel = None
+            if int4_small_batch:
+                if isinstance(s, GPT2Shape):
+                    raise ValueError("--int4-small-batch is for the Llama family, not GPT-2")
+                int4_kernel = int4_linear_module(kernel_build_root) if bf16_cpu_kernels else None
+                if int4_kernel is None:
+                    logger.warning("--int4-small-batch: no int4 matmul kernel here (needs bfloat16 weights on the CPU, "
+                                   "AVX512-VNNI, a C++ compiler and --cpu-decode-kernel); small steps use bf16")
             if isinstance(s, GPT2Shape):
                 self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel, bf16_kernel,
                                        bf16_large_steps)
             else:
                 llama_ops = llama_ops_module(kernel_build_root) if bf16_cpu_kernels else None
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel,
-                                        llama_ops, bf16_kernel, bf16_large_steps)
+                                        llama_ops, bf16_kernel, bf16_large_steps, int4_kernel)
         # The sampler's greedy and sampled picks and top_p on the CPU (any dtype: they read the float32 logits).
         sampling_ops = sampling_ops_module(kernel_build_root) if cpu_kernels else None
         self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = (

@@ -1,5 +1,5 @@
 """The CPU default dtype (bf16 where the CPU has native bf16) and the small-step options (int8
-weights, the bf16 kernel) on the real SmolLM2: answers stay right, and they agree with float32
+or int4 weights, the bf16 kernel) on the real SmolLM2: answers stay right, and they agree with float32
 where float32 is confident."""
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def test_auto_dtype_follows_the_cpu():
 
 
 @pytest.mark.parametrize("small_steps", [{}, {"int8_small_batch": True}, {"bf16_small_batch": True},
-                                         {"cpu_bf16_matmul": "kernels"}],
-                         ids=["bf16", "bf16+int8", "bf16+bf16-kernel", "bf16+kernels-all-steps"])
+                                         {"cpu_bf16_matmul": "kernels"}, {"int4_small_batch": True}],
+                         ids=["bf16", "bf16+int8", "bf16+bf16-kernel", "bf16+kernels-all-steps", "bf16+int4"])
 def test_bf16_answers_like_float32(smollm2_dir, chat_prompts, small_steps):
     tokenizer, prompts = chat_prompts
     cpu = torch.device("cpu")
@@ -56,6 +56,9 @@ def test_bf16_answers_like_float32(smollm2_dir, chat_prompts, small_steps):
     assert "Paris" in tokenizer.decode(bf16[0])
     assert "4" in tokenizer.decode(bf16[1])
     # Lower precision may split from float32 late, where two tokens are close; the first few
-    # tokens of a confident answer must agree.
+    # tokens of a confident answer must agree. "What is 2 + 2?" has a near tie at its third token
+    # (float32: " to" -0.836, " is" -0.900), where int4's rounding of x to int8 goes the other way
+    # ("The answer is 4."): there, the first two.
+    agree = 2 if small_steps.get("int4_small_batch") else 4
     for a, b in zip(fp32, bf16, strict=True):
-        assert a[:4] == b[:4], (tokenizer.decode(a), tokenizer.decode(b))
+        assert a[:agree] == b[:agree], (tokenizer.decode(a), tokenizer.decode(b))

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 PAGED_DECODE_ATTENTION_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
 INT8_LINEAR_SOURCE = Path(__file__).with_name("int8_linear.cpp")
+INT4_LINEAR_SOURCE = Path(__file__).with_name("int4_linear.cpp")
 BF16_LINEAR_SOURCE = Path(__file__).with_name("bf16_linear.cpp")
 LLAMA_OPS_SOURCE = Path(__file__).with_name("llama_ops.cpp")
 SAMPLING_OPS_SOURCE = Path(__file__).with_name("sampling_ops.cpp")
@@ -133,6 +134,13 @@ def paged_decode_attention_module(build_root: Path = DEFAULT_BUILD_ROOT) -> Modu
 def int8_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
     """The AVX512-VNNI weight-only int8 matmul for small steps (int8_linear.cpp), or None."""
     return _vectorized_module(INT8_LINEAR_SOURCE, {"avx512f", "avx512bw", "avx512_vnni"}, build_root,
+                              "AVX512-BW/VNNI")
+
+
+@functools.cache
+def int4_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
+    """The AVX512-VNNI weight-only int4 matmul for small steps (int4_linear.cpp, GGUF's Q4_1 scheme), or None."""
+    return _vectorized_module(INT4_LINEAR_SOURCE, {"avx512f", "avx512bw", "avx512_vnni"}, build_root,
                               "AVX512-BW/VNNI")
 
 

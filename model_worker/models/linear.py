@@ -15,6 +15,11 @@ bf16 weights' memory again. The int8 matmul is model_worker/kernels/int8_linear.
 builds (AVX512-VNNI, weights packed in 4-row blocks: 1.4-1.6x torch's _weight_int8pack_mm over
 a decode step's weights), else torch's op on the plain int8 rows.
 
+--int4-small-batch keeps an int4 copy instead (groups of 32 columns with a float16 scale and
+minimum, GGUF's Q4_1; kernels/int4_linear.cpp, AVX512-VNNI): 0.31x bf16's bytes, and for a Q4_1
+GGUF the file's own weights, found again exactly in their float32 dequantization. SmolLM2 decode
+steps at 1 token ran 1.8x faster than on the bf16 kernel (bench/bench_int4_linear.py).
+
 Without int8's rounding, --bf16-small-batch keeps a second bf16 copy packed the same way, for
 model_worker/kernels/bf16_linear.cpp (AVX512-BF16): it streams the weights near copy bandwidth where
 oneDNN's packed matmul reaches about 0.7 of it at 1-4 rows (scratch timing; decode steps 1.4-1.5x
@@ -46,6 +51,10 @@ import torch.nn.functional as F
 # tokens: 15.0 ms against bf16's 18.8; the two meet near 12).
 INT8_MAX_TOKENS = 4
 INT8_KERNEL_MAX_TOKENS = 8
+# Steps of at most this many tokens use the int4 copy (kernels/int4_linear.cpp); its columns go in
+# groups of this many, each with its own scale and minimum (GGUF's Q4_1).
+INT4_KERNEL_MAX_TOKENS = 8
+INT4_GROUP_COLS = 32
 # Steps of at most this many tokens use the bf16 copy's streaming matmul (kernels/bf16_linear.cpp).
 # Set when it lost to oneDNN from 12 rows; that was a spill in its inner loop, and since the fix
 # whole decode steps run 1.46x oneDNN's at 8 rows and 1.2x at 16 on the AMD host
@@ -88,6 +97,46 @@ def pack_row_blocks(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, PACK_BLOCK_ROWS, cols, PACK_BLOCK_COLS).permute(0, 2, 1, 3).contiguous()
 
 
+def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] (K a multiple of 32) -> (q uint8 [N, K] in 0..15, d, m float16 [N, K/32]):
+    weight ~= d * q + m per group of 32 columns of a row, GGUF's Q4_1 (asymmetric: m the group's
+    minimum, d its range / 15, both rounded to fp16 before q is found against them). A weight
+    that is Q4_1 dequantized to float32 (a GGUF file's, loaded by transformers) gives back the
+    file's own q, d and m."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // INT4_GROUP_COLS, INT4_GROUP_COLS)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    m = low.to(torch.float16)
+    d = ((high - low) / 15).to(torch.float16)
+    if not (torch.isfinite(m).all() and torch.isfinite(d).all()):
+        raise ValueError("int4 weights: a group's minimum or range is beyond float16")
+    # An all-equal group has d == 0: every q is 0 and the group is exactly m.
+    step = torch.where(d > 0, d.float(), torch.ones_like(low))
+    q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), d, m
+
+
+def pack_int4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """quantize_int4_groups' output -> uint8 [ceil(N/4), K/32, 80], kernels/int4_linear.cpp's layout:
+    per block of 4 rows and group of 32 columns, row r's 16 nibble bytes at 16r (byte j: column j
+    low, column j + 16 high), then the 4 rows' d and the 4 rows' m as float16 (padding rows are
+    zeros)."""
+    n, k = q.shape
+    rows = -n % PACK_BLOCK_ROWS
+    q, d, m = F.pad(q, (0, 0, 0, rows)), F.pad(d, (0, 0, 0, rows)), F.pad(m, (0, 0, 0, rows))
+    blocks, groups = q.shape[0] // PACK_BLOCK_ROWS, k // INT4_GROUP_COLS
+    q = q.view(blocks, PACK_BLOCK_ROWS, groups, INT4_GROUP_COLS).permute(0, 2, 1, 3)  # [B, G, 4, 32]
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(blocks, groups, 64)
+    scales = [t.view(blocks, PACK_BLOCK_ROWS, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
+              for t in (d, m)]  # each [B, G, 8]: 4 float16s
+    return torch.cat([nibbles, *scales], dim=2).contiguous()
+
+
+def int4_supported(weight: torch.Tensor) -> bool:
+    """Whether a layer takes int4 small-step weights: a CPU weight whose columns split into groups of 32."""
+    return weight.device.type == "cpu" and weight.shape[1] % INT4_GROUP_COLS == 0
+
+
 def small_batch_supported(weight: torch.Tensor) -> bool:
     """Whether the small-step copies (int8 or bf16) apply: bf16 weights on the CPU."""
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
@@ -114,16 +163,21 @@ class Linear:
     """y [T, N] = x [T, K] @ weight [N, K]^T (+ bias); `weight` is None when only the packed copy is kept."""
 
     __slots__ = ("weight", "packed_weight", "bias", "int8_weight", "int8_scales", "int8_matmul", "int8_max_tokens",
-                 "bf16_blocks", "bf16_matmul", "bf16_max_tokens", "bf16_large", "out_features", "in_features",
-                 "row_tile")
+                 "int4_blocks", "int4_matmul", "int4_max_tokens", "bf16_blocks", "bf16_matmul", "bf16_max_tokens",
+                 "bf16_large", "out_features", "in_features", "row_tile")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_small_batch: bool = False,
                  row_tile: int = 0, int8_kernel: ModuleType | None = None, bf16_kernel: ModuleType | None = None,
-                 bf16_large_steps: str = "onednn"):
+                 bf16_large_steps: str = "onednn", int4_kernel: ModuleType | None = None,
+                 int4_source: torch.Tensor | None = None):
         """int8_kernel: kernels.int8_linear_module(), or None for torch's int8 op. bf16_kernel:
         kernels.bf16_linear_module() to keep the packed bf16 copy for small steps, or None.
         bf16_large_steps: the matmul of larger steps: "onednn", or (with bf16_kernel) one of
-        LARGE_STEP_KERNELS on the packed copy, and then no oneDNN copy is kept."""
+        LARGE_STEP_KERNELS on the packed copy, and then no oneDNN copy is kept.
+        int4_kernel: kernels.int4_linear_module() to keep an int4 copy (quantize_int4_groups) for
+        steps of at most INT4_KERNEL_MAX_TOKENS tokens, where the layer's columns come in groups of
+        32 (else it has none); int4_source: the weight to quantize, in its loaded precision (a
+        GGUF's Q4_1 weights come back exactly from float32, not always from bf16), else `weight`."""
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.bias = bias
@@ -131,8 +185,20 @@ class Linear:
         self.row_tile = row_tile
         self.int8_weight = self.int8_scales = self.int8_matmul = None
         self.int8_max_tokens = 0
-        if int8_small_batch and row_tile:
-            raise ValueError("int8 small-batch weights switch kernels with the step's size; not batch-invariant")
+        if (int8_small_batch or int4_kernel is not None) and row_tile:
+            raise ValueError("small-batch int8 or int4 weights switch kernels with the step's size; not batch-invariant")
+        if int8_small_batch and int4_kernel is not None:
+            raise ValueError("a layer's small steps take int8 or int4 weights, not both")
+        self.int4_blocks = self.int4_matmul = None
+        self.int4_max_tokens = 0
+        if int4_kernel is not None and int4_supported(weight):
+            if not small_batch_supported(weight):
+                raise ValueError("int4 small-batch weights need bfloat16 weights on the CPU")
+            source = weight if int4_source is None else int4_source
+            self.int4_blocks = pack_int4_blocks(*quantize_int4_groups(source))
+            self.int4_matmul, self.int4_max_tokens = int4_kernel.int4_linear, INT4_KERNEL_MAX_TOKENS
+        # Small steps on an int8 or int4 copy: the bf16 weights serve the larger ones only.
+        quantized_small = int8_small_batch or self.int4_blocks is not None
         if int8_small_batch:
             if not small_batch_supported(weight):
                 raise ValueError("int8 small-batch weights need bfloat16 weights on the CPU")
@@ -148,12 +214,13 @@ class Linear:
             raise ValueError(f"bf16_large_steps {bf16_large_steps!r}: onednn, or one of {sorted(LARGE_STEP_KERNELS)} "
                              "with the bf16 kernel module")
         if bf16_kernel is not None:
-            if row_tile or (int8_small_batch and bf16_large_steps == "onednn"):
-                raise ValueError("bf16 small-batch weights are neither for int8 small-batch nor batch-invariant layers")
+            if row_tile or (quantized_small and bf16_large_steps == "onednn"):
+                raise ValueError("bf16 small-batch weights are neither for int8 / int4 small-batch nor batch-invariant "
+                                 "layers")
             if not small_batch_supported(weight):
                 raise ValueError("bf16 small-batch weights need bfloat16 weights on the CPU")
             self.bf16_blocks = pack_row_blocks(weight)
-            if not int8_small_batch:  # with int8 small-step weights, the packed copy serves larger steps only
+            if not quantized_small:  # with int8 or int4 small-step weights, the packed copy serves larger steps only
                 self.bf16_matmul, self.bf16_max_tokens = bf16_kernel.bf16_linear, BF16_KERNEL_MAX_TOKENS
             if bf16_large_steps != "onednn":
                 self.bf16_large = getattr(bf16_kernel, LARGE_STEP_KERNELS[bf16_large_steps])
@@ -170,6 +237,8 @@ class Linear:
         if 0 < x.shape[0] <= self.int8_max_tokens:
             y = self.int8_matmul(x, self.int8_weight, self.int8_scales)
             return y if self.bias is None else y + self.bias
+        if 0 < x.shape[0] <= self.int4_max_tokens:
+            return self.int4_matmul(x, self.int4_blocks, self.out_features, self.bias)
         if 0 < x.shape[0] <= self.bf16_max_tokens:
             return self.bf16_matmul(x, self.bf16_blocks, self.out_features, self.in_features, self.bias)
         if self.bf16_large is not None:

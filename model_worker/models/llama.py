@@ -137,11 +137,13 @@ class LlamaModel:
     def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, int8_small_batch: bool = False, batch_invariant: bool = False,
                  int8_kernel: ModuleType | None = None, llama_ops: ModuleType | None = None,
-                 bf16_kernel: ModuleType | None = None, bf16_large_steps: str = "onednn") -> None:
+                 bf16_kernel: ModuleType | None = None, bf16_large_steps: str = "onednn",
+                 int4_kernel: ModuleType | None = None) -> None:
         """int8_kernel, llama_ops, bf16_kernel: kernels.int8_linear_module(), kernels.llama_ops_module()
         and kernels.bf16_linear_module() (--bf16-small-batch, --cpu-bf16-matmul kernels), which the
         caller passes only for bf16 weights on the CPU (ModelRunner), or None for torch ops.
-        bf16_large_steps: see Linear."""
+        bf16_large_steps: see Linear. int4_kernel: kernels.int4_linear_module() for --int4-small-batch
+        (the decoder layers' matmuls; the lm_head keeps its weights' precision), or None."""
         self.shape = shape
         self.device = device
         self.dtype = dtype
@@ -154,8 +156,14 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             return weights.pop(name).to(device=device, dtype=dtype).contiguous()
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear(weight, bias, int8_small_batch, row_tile, int8_kernel, bf16_kernel, bf16_large_steps)
+        def take_loaded(name: str) -> torch.Tensor:
+            """In the precision it was loaded in, for the int4 copy's quantization."""
+            return weights.pop(name).to(device=device)
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, int4: bool = True) -> Linear:
+            kernel = int4_kernel if int4 else None
+            return Linear(weight.to(dtype=dtype).contiguous(), bias, int8_small_batch, row_tile, int8_kernel,
+                          bf16_kernel, bf16_large_steps, kernel, weight if kernel is not None else None)
 
         self.embed = take("model.embed_tokens.weight")  # [V, hidden]
         self.layers = []
@@ -163,27 +171,28 @@ class LlamaModel:
             p = f"model.layers.{i}."
             # q, k and v share one matmul: one GEMM of [T, hidden] x [hidden, (H + 2 Hkv) D]
             # costs less than three on small batches, where per-op overhead dominates.
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv = torch.cat([take_loaded(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             qkv_bias = (torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                         if s.attention_bias else None)
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            gate_up = torch.cat([take_loaded(p + "mlp.gate_proj.weight"), take_loaded(p + "mlp.up_proj.weight")])
             self.layers.append({
                 "input_norm": take(p + "input_layernorm.weight"),
                 "qkv": linear(qkv, qkv_bias),
-                "o": linear(take(p + "self_attn.o_proj.weight")),
+                "o": linear(take_loaded(p + "self_attn.o_proj.weight")),
                 "post_norm": take(p + "post_attention_layernorm.weight"),
                 "gate_up": linear(gate_up),
-                "down": linear(take(p + "mlp.down_proj.weight")),
+                "down": linear(take_loaded(p + "mlp.down_proj.weight")),
             })
             if s.qk_norm:
                 # q's and k's per-head norm weights stacked [H + Hkv, D], to norm qk in one op.
                 self.layers[-1]["qk_norm"] = torch.cat([take(p + "self_attn.q_norm.weight").expand(s.num_heads, -1),
                                                         take(p + "self_attn.k_norm.weight").expand(s.num_kv_heads, -1)])
         self.norm = take("model.norm.weight")
+        # The lm_head keeps its weights' precision (a GGUF's token_embd / output are Q8_0 or Q6_K).
         if s.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = linear(self.embed)
+            self.lm_head = linear(self.embed, int4=False)
         else:
-            self.lm_head = linear(take("lm_head.weight"))
+            self.lm_head = linear(take("lm_head.weight"), int4=False)
         # Rotary tables in float32 for every position, computed as transformers computes
         # them (outer product in float32, cos/sin, then cast) so positions match exactly.
         # Scaled rope types change inv_freq, and yarn scales cos and sin (attention_factor).
