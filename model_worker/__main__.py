@@ -17,7 +17,7 @@ from model_worker.engine import LLMEngine, default_eos_ids
 from model_worker.engine_loop import EngineLoop, new_engine_thread
 from model_worker.host_memory import keep_freed_memory_in_heap
 from model_worker.kernels import cpu_flags
-from model_worker.model_files import gguf_matmul_types, model_id_for, resolve_model_dir
+from model_worker.model_files import gguf_weight_types, model_id_for, resolve_model_dir
 from model_worker.model_runner import ModelRunner, model_shape, resolve_device, resolve_dtype
 from model_worker.models.llama import LlamaShape
 from model_worker.servicer import ModelWorkerServicer
@@ -61,22 +61,26 @@ def build_model_info(config: Config, model_dir: Path, hf_config: dict, runner: M
     )
 
 
-def int4_small_batch(config: Config, model_dir: Path, hf_config: dict, device: torch.device,
-                     dtype: torch.dtype) -> bool:
-    """--int4-small-batch: on, off, or auto, which is on for a GGUF whose decoder matmuls are all
-    Q4_1 (the int4 copy is then the file's own weights), run on the CPU in bf16 with no flag that
-    excludes it."""
+def gguf_small_steps(config: Config, model_dir: Path, hf_config: dict, device: torch.device,
+                     dtype: torch.dtype) -> tuple[bool, bool]:
+    """(--int4-small-batch resolved, the lm_head on the file's Q8_0). --int4-small-batch is on, off,
+    or auto, which is on for a GGUF whose decoder matmuls are all Q4_1 (the int4 copy is then the
+    file's own weights), run on the CPU in bf16 with no flag that excludes it. With it, a GGUF's
+    Q8_0 lm_head keeps a Q8_0 copy for the same steps."""
+    layer_types, head_type = gguf_weight_types(model_dir)
     if config.int4_small_batch != "auto":
-        return config.int4_small_batch == "on"
+        on = config.int4_small_batch == "on"
+        return on, on and head_type == "Q8_0"
     if (device.type != "cpu" or dtype != torch.bfloat16 or config.int8_small_batch or config.bf16_small_batch
             or config.batch_invariant or not config.cpu_decode_kernel
             or not isinstance(model_shape(hf_config), LlamaShape)
             or not {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags()):
-        return False
-    if gguf_matmul_types(model_dir) != {"Q4_1"}:
-        return False
-    logger.info("--int4-small-batch auto: the GGUF's layer weights are Q4_1; steps of <= 8 tokens run on them as int4")
-    return True
+        return False, False
+    if layer_types != {"Q4_1"}:
+        return False, False
+    logger.info("--int4-small-batch auto: the GGUF's layer weights are Q4_1 (lm_head %s); steps of <= 8 tokens "
+                "run on them as the file holds them", head_type)
+    return True, head_type == "Q8_0"
 
 
 def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
@@ -98,8 +102,8 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
                          config.block_size, config.kv_cache_tokens, config.kv_cache_memory_bytes,
                          config.gpu_memory_utilization, config.int8_small_batch, config.batch_invariant,
                          config.cpu_decode_kernel, Path(config.cache_dir) / "kernels", config.cuda_graphs,
-                         config.bf16_small_batch, config.cpu_bf16_matmul, int4_small_batch(config, model_dir, hf_config, device,
-                                                                           dtype))
+                         config.bf16_small_batch, config.cpu_bf16_matmul,
+                         *gguf_small_steps(config, model_dir, hf_config, device, dtype))
     eos_ids = default_eos_ids(_read_json(model_dir / "generation_config.json"), hf_config)
     engine = LLMEngine(runner, eos_ids, config.max_num_seqs, config.max_num_batched_tokens,
                        config.max_waiting_requests, config.seed, config.enable_prefix_caching, config.max_best_of,

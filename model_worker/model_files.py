@@ -108,17 +108,18 @@ def model_id_for(model: str, model_dir: Path) -> str:
 _GGUF_MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def gguf_matmul_types(model_dir: Path) -> set[str]:
-    """The quantization types (e.g. {"Q4_1"}) of the decoder layers' matmul weights in the GGUF
-    file model_dir was converted from; empty for a model not from a GGUF (or whose file is gone)."""
+def gguf_weight_types(model_dir: Path) -> tuple[set[str], str]:
+    """The quantization types in the GGUF file model_dir was converted from: the decoder layers'
+    matmul weights' (e.g. {"Q4_1"}) and the lm_head's (output.weight, else the tied token_embd:
+    e.g. "Q8_0"); empty for a model not from a GGUF (or whose file is gone)."""
     try:
         source = Path(json.loads((model_dir / "tokenwire_source.json").read_text())["gguf"])
     except (OSError, ValueError, KeyError, TypeError):
-        return set()
+        return set(), ""
     if not source.is_file():
-        return set()
+        return set(), ""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(source))
-    return {tensor.tensor_type.name for tensor in reader.tensors
-            if tensor.name.startswith("blk.") and tensor.name.split(".")[-2] in _GGUF_MATMULS}
+    types = {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(str(source)).tensors}
+    layers = {kind for name, kind in types.items() if name.startswith("blk.") and name.split(".")[-2] in _GGUF_MATMULS}
+    return layers, types.get("output.weight", types.get("token_embd.weight", ""))

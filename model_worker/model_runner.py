@@ -25,7 +25,7 @@ from model_worker.device_transfer import tensor_on
 from model_worker.kernels import (
     DEFAULT_BUILD_ROOT,
     bf16_linear_module,
-    int4_linear_module,
+    gguf_linear_module,
     int8_linear_module,
     llama_ops_module,
     paged_decode_attention_fits,
@@ -162,7 +162,8 @@ class ModelRunner:
                  int8_small_batch: bool = False, batch_invariant: bool = False,
                  cpu_decode_kernel: bool = True, kernel_build_root: Path = DEFAULT_BUILD_ROOT,
                  decode_graphs: bool = False, bf16_small_batch: bool = False,
-                 cpu_bf16_matmul: str = "onednn", int4_small_batch: bool = False) -> None:
+                 cpu_bf16_matmul: str = "onednn", int4_small_batch: bool = False,
+                 q8_0_lm_head: bool = False) -> None:
         config = json.loads((model_dir / "config.json").read_text())
         self.shape = model_shape(config)
         self.device = device
@@ -203,12 +204,12 @@ class ModelRunner:
             int8_kernel = int8_linear_module(kernel_build_root) if cpu_kernels and int8_small_batch else None
             bf16_kernel, bf16_large_steps = self._bf16_matmul(bf16_cpu_kernels, kernel_build_root, bf16_small_batch,
                                                               cpu_bf16_matmul)
-            int4_kernel = None
+            gguf_kernel = None
             if int4_small_batch:
                 if isinstance(s, GPT2Shape):
                     raise ValueError("--int4-small-batch is for the Llama family, not GPT-2")
-                int4_kernel = int4_linear_module(kernel_build_root) if bf16_cpu_kernels else None
-                if int4_kernel is None:
+                gguf_kernel = gguf_linear_module(kernel_build_root) if bf16_cpu_kernels else None
+                if gguf_kernel is None:
                     logger.warning("--int4-small-batch: no int4 matmul kernel here (needs bfloat16 weights on the CPU, "
                                    "AVX512-VNNI, a C++ compiler and --cpu-decode-kernel); small steps use bf16")
             if isinstance(s, GPT2Shape):
@@ -217,7 +218,8 @@ class ModelRunner:
             else:
                 llama_ops = llama_ops_module(kernel_build_root) if bf16_cpu_kernels else None
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel,
-                                        llama_ops, bf16_kernel, bf16_large_steps, int4_kernel)
+                                        llama_ops, bf16_kernel, bf16_large_steps, gguf_kernel,
+                                        "q8_0" if q8_0_lm_head and gguf_kernel is not None else None)
         # The sampler's greedy and sampled picks and top_p on the CPU (any dtype: they read the float32 logits).
         sampling_ops = sampling_ops_module(kernel_build_root) if cpu_kernels else None
         self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = (

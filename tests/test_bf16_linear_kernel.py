@@ -180,7 +180,7 @@ def test_linear_refuses_a_bf16_copy_it_cannot_use():
     stub = object()  # never called: each of these is refused before any packing
     with pytest.raises(ValueError, match="bfloat16 weights on the CPU"):
         Linear(torch.randn(8, 8), bf16_kernel=stub)
-    with pytest.raises(ValueError, match="int8 / int4 small-batch"):
+    with pytest.raises(ValueError, match="int8 / GGUF small-batch"):
         Linear(torch.randn(8, 8).bfloat16(), int8_small_batch=True, bf16_kernel=stub)
     with pytest.raises(ValueError, match="batch-invariant"):
         Linear(torch.randn(8, 8).bfloat16(), row_tile=16, bf16_kernel=stub)

@@ -45,8 +45,10 @@ def test_auto_dtype_follows_the_cpu():
 
 
 @pytest.mark.parametrize("small_steps", [{}, {"int8_small_batch": True}, {"bf16_small_batch": True},
-                                         {"cpu_bf16_matmul": "kernels"}, {"int4_small_batch": True}],
-                         ids=["bf16", "bf16+int8", "bf16+bf16-kernel", "bf16+kernels-all-steps", "bf16+int4"])
+                                         {"cpu_bf16_matmul": "kernels"}, {"int4_small_batch": True},
+                                         {"int4_small_batch": True, "q8_0_lm_head": True}],
+                         ids=["bf16", "bf16+int8", "bf16+bf16-kernel", "bf16+kernels-all-steps", "bf16+int4",
+                              "bf16+int4+q8_0-head"])
 def test_bf16_answers_like_float32(smollm2_dir, chat_prompts, small_steps):
     tokenizer, prompts = chat_prompts
     cpu = torch.device("cpu")

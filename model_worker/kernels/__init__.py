@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 PAGED_DECODE_ATTENTION_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
 INT8_LINEAR_SOURCE = Path(__file__).with_name("int8_linear.cpp")
-INT4_LINEAR_SOURCE = Path(__file__).with_name("int4_linear.cpp")
+GGUF_LINEAR_SOURCE = Path(__file__).with_name("gguf_linear.cpp")
 BF16_LINEAR_SOURCE = Path(__file__).with_name("bf16_linear.cpp")
 LLAMA_OPS_SOURCE = Path(__file__).with_name("llama_ops.cpp")
 SAMPLING_OPS_SOURCE = Path(__file__).with_name("sampling_ops.cpp")
@@ -138,9 +138,9 @@ def int8_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | No
 
 
 @functools.cache
-def int4_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
-    """The AVX512-VNNI weight-only int4 matmul for small steps (int4_linear.cpp, GGUF's Q4_1 scheme), or None."""
-    return _vectorized_module(INT4_LINEAR_SOURCE, {"avx512f", "avx512bw", "avx512_vnni"}, build_root,
+def gguf_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
+    """The AVX512-VNNI weight-only int4 matmul for small steps (gguf_linear.cpp, GGUF's Q4_1 scheme), or None."""
+    return _vectorized_module(GGUF_LINEAR_SOURCE, {"avx512f", "avx512bw", "avx512_vnni"}, build_root,
                               "AVX512-BW/VNNI")
 
 

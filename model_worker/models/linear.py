@@ -16,9 +16,10 @@ builds (AVX512-VNNI, weights packed in 4-row blocks: 1.4-1.6x torch's _weight_in
 a decode step's weights), else torch's op on the plain int8 rows.
 
 --int4-small-batch keeps an int4 copy instead (groups of 32 columns with a float16 scale and
-minimum, GGUF's Q4_1; kernels/int4_linear.cpp, AVX512-VNNI): 0.31x bf16's bytes, and for a Q4_1
-GGUF the file's own weights, found again exactly in their float32 dequantization. SmolLM2 decode
-steps at 1 token ran 1.8x faster than on the bf16 kernel (bench/bench_int4_linear.py).
+minimum, GGUF's Q4_1; kernels/gguf_linear.cpp, AVX512-VNNI): 0.31x bf16's bytes, and for a Q4_1
+GGUF the file's own weights, found again exactly in their float32 dequantization; a Q8_0 file's
+lm_head (SmolLM2's tied token_embd) likewise keeps a Q8_0 copy, 0.53x bf16's bytes. SmolLM2 decode
+steps at 1 token ran 1.8x faster than on the bf16 kernel (bench/bench_gguf_linear.py).
 
 Without int8's rounding, --bf16-small-batch keeps a second bf16 copy packed the same way, for
 model_worker/kernels/bf16_linear.cpp (AVX512-BF16): it streams the weights near copy bandwidth where
@@ -51,10 +52,16 @@ import torch.nn.functional as F
 # tokens: 15.0 ms against bf16's 18.8; the two meet near 12).
 INT8_MAX_TOKENS = 4
 INT8_KERNEL_MAX_TOKENS = 8
-# Steps of at most this many tokens use the int4 copy (kernels/int4_linear.cpp); its columns go in
-# groups of this many, each with its own scale and minimum (GGUF's Q4_1).
-INT4_KERNEL_MAX_TOKENS = 8
-INT4_GROUP_COLS = 32
+# A GGUF-format copy (Q4_1 or Q8_0, kernels/gguf_linear.cpp) has its columns in groups of this
+# many, each with its own scale (and for Q4_1 minimum), and takes steps of at most
+# GGUF_KERNEL_MAX_TOKENS tokens, the kernel's limit, or fewer by format: per x row they do 2-3x
+# the instructions of the bf16 kernel's VDPBF16PS, so their lead in bytes runs out as rows are
+# added. SmolLM2 decode steps against bf16, bench/bench_gguf_linear.py (2026-11-24): Q4_1 layers
+# and the Q8_0 head at 1 / 4 / 8 tokens 1.71x / 1.22x / 0.95x; with the head stopping at 4, the
+# layers at 2 / 5 / 6 / 7 / 8 tokens 1.53x / 1.16x / 1.07x / 1.00x / 0.97x.
+GGUF_GROUP_COLS = 32
+GGUF_KERNEL_MAX_TOKENS = 8
+GGUF_FORMAT_MAX_TOKENS = {"q4_1": 6, "q8_0": 4}
 # Steps of at most this many tokens use the bf16 copy's streaming matmul (kernels/bf16_linear.cpp).
 # Set when it lost to oneDNN from 12 rows; that was a spill in its inner loop, and since the fix
 # whole decode steps run 1.46x oneDNN's at 8 rows and 1.2x at 16 on the AMD host
@@ -97,44 +104,79 @@ def pack_row_blocks(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, PACK_BLOCK_ROWS, cols, PACK_BLOCK_COLS).permute(0, 2, 1, 3).contiguous()
 
 
-def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K] (K a multiple of 32) -> (q uint8 [N, K] in 0..15, d, m float16 [N, K/32]):
     weight ~= d * q + m per group of 32 columns of a row, GGUF's Q4_1 (asymmetric: m the group's
     minimum, d its range / 15, both rounded to fp16 before q is found against them). A weight
     that is Q4_1 dequantized to float32 (a GGUF file's, loaded by transformers) gives back the
     file's own q, d and m."""
     n, k = weight.shape
-    groups = weight.float().reshape(n, k // INT4_GROUP_COLS, INT4_GROUP_COLS)
+    groups = weight.float().reshape(n, k // GGUF_GROUP_COLS, GGUF_GROUP_COLS)
     low, high = groups.amin(dim=2), groups.amax(dim=2)
     m = low.to(torch.float16)
     d = ((high - low) / 15).to(torch.float16)
     if not (torch.isfinite(m).all() and torch.isfinite(d).all()):
-        raise ValueError("int4 weights: a group's minimum or range is beyond float16")
+        raise ValueError("Q4_1 weights: a group's minimum or range is beyond float16")
     # An all-equal group has d == 0: every q is 0 and the group is exactly m.
     step = torch.where(d > 0, d.float(), torch.ones_like(low))
     q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15).to(torch.uint8)
     return q.reshape(n, k), d, m
 
 
-def pack_int4_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """quantize_int4_groups' output -> uint8 [ceil(N/4), K/32, 80], kernels/int4_linear.cpp's layout:
+def pack_q4_1_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """quantize_q4_1' output -> uint8 [ceil(N/4), K/32, 80], kernels/gguf_linear.cpp's layout:
     per block of 4 rows and group of 32 columns, row r's 16 nibble bytes at 16r (byte j: column j
     low, column j + 16 high), then the 4 rows' d and the 4 rows' m as float16 (padding rows are
     zeros)."""
     n, k = q.shape
     rows = -n % PACK_BLOCK_ROWS
     q, d, m = F.pad(q, (0, 0, 0, rows)), F.pad(d, (0, 0, 0, rows)), F.pad(m, (0, 0, 0, rows))
-    blocks, groups = q.shape[0] // PACK_BLOCK_ROWS, k // INT4_GROUP_COLS
-    q = q.view(blocks, PACK_BLOCK_ROWS, groups, INT4_GROUP_COLS).permute(0, 2, 1, 3)  # [B, G, 4, 32]
+    blocks, groups = q.shape[0] // PACK_BLOCK_ROWS, k // GGUF_GROUP_COLS
+    q = q.view(blocks, PACK_BLOCK_ROWS, groups, GGUF_GROUP_COLS).permute(0, 2, 1, 3)  # [B, G, 4, 32]
     nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(blocks, groups, 64)
     scales = [t.view(blocks, PACK_BLOCK_ROWS, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
               for t in (d, m)]  # each [B, G, 8]: 4 float16s
     return torch.cat([nibbles, *scales], dim=2).contiguous()
 
 
-def int4_supported(weight: torch.Tensor) -> bool:
-    """Whether a layer takes int4 small-step weights: a CPU weight whose columns split into groups of 32."""
-    return weight.device.type == "cpu" and weight.shape[1] % INT4_GROUP_COLS == 0
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (K a multiple of 32) -> (q int8 [N, K] in -127..127, d float16 [N, K/32]):
+    weight ~= d * q per group of 32 columns of a row, GGUF's Q8_0 (d the group's max |w| / 127,
+    rounded to fp16 before q is found against it). A Q8_0 weight dequantized to float32 gives back
+    the file's own q and d."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // GGUF_GROUP_COLS, GGUF_GROUP_COLS)
+    d = (groups.abs().amax(dim=2) / 127).to(torch.float16)
+    if not torch.isfinite(d).all():
+        raise ValueError("Q8_0 weights: a group's largest value is beyond float16")
+    step = torch.where(d > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
+    q = torch.round(groups / step[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), d
+
+
+def pack_q8_0_blocks(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """quantize_q8_0's output -> uint8 [ceil(N/4), K/32, 144], kernels/gguf_linear.cpp's layout: per
+    block of 4 rows and group of 32 columns, the 4 rows' 32 int8 each, their d as float16, and each
+    row's sum of q as int16 (the kernel's offset correction; padding rows are zeros)."""
+    n, k = q.shape
+    rows = -n % PACK_BLOCK_ROWS
+    q, d = F.pad(q, (0, 0, 0, rows)), F.pad(d, (0, 0, 0, rows))
+    blocks, groups = q.shape[0] // PACK_BLOCK_ROWS, k // GGUF_GROUP_COLS
+    grouped = q.view(blocks, PACK_BLOCK_ROWS, groups, GGUF_GROUP_COLS).permute(0, 2, 1, 3)  # [B, G, 4, 32]
+    sums = grouped.sum(dim=3, dtype=torch.int32).to(torch.int16)  # |sum| <= 32 * 127
+    return torch.cat([grouped.reshape(blocks, groups, 128).view(torch.uint8),
+                      d.view(blocks, PACK_BLOCK_ROWS, groups).permute(0, 2, 1).contiguous().view(torch.uint8),
+                      sums.contiguous().view(torch.uint8)], dim=2).contiguous()
+
+
+# The GGUF formats a Linear keeps a small-step copy in: (quantize, pack, the kernel module's matmul).
+GGUF_FORMATS = {"q4_1": (quantize_q4_1, pack_q4_1_blocks, "q4_1_linear"),
+                "q8_0": (quantize_q8_0, pack_q8_0_blocks, "q8_0_linear")}
+
+
+def gguf_supported(weight: torch.Tensor) -> bool:
+    """Whether a layer takes a GGUF-format small-step copy: a CPU weight whose columns split into groups of 32."""
+    return weight.device.type == "cpu" and weight.shape[1] % GGUF_GROUP_COLS == 0
 
 
 def small_batch_supported(weight: torch.Tensor) -> bool:
@@ -163,21 +205,22 @@ class Linear:
     """y [T, N] = x [T, K] @ weight [N, K]^T (+ bias); `weight` is None when only the packed copy is kept."""
 
     __slots__ = ("weight", "packed_weight", "bias", "int8_weight", "int8_scales", "int8_matmul", "int8_max_tokens",
-                 "int4_blocks", "int4_matmul", "int4_max_tokens", "bf16_blocks", "bf16_matmul", "bf16_max_tokens",
+                 "gguf_blocks", "gguf_matmul", "gguf_max_tokens", "bf16_blocks", "bf16_matmul", "bf16_max_tokens",
                  "bf16_large", "out_features", "in_features", "row_tile")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_small_batch: bool = False,
                  row_tile: int = 0, int8_kernel: ModuleType | None = None, bf16_kernel: ModuleType | None = None,
-                 bf16_large_steps: str = "onednn", int4_kernel: ModuleType | None = None,
-                 int4_source: torch.Tensor | None = None):
+                 bf16_large_steps: str = "onednn", gguf_kernel: ModuleType | None = None,
+                 gguf_source: torch.Tensor | None = None, gguf_format: str = "q4_1"):
         """int8_kernel: kernels.int8_linear_module(), or None for torch's int8 op. bf16_kernel:
         kernels.bf16_linear_module() to keep the packed bf16 copy for small steps, or None.
         bf16_large_steps: the matmul of larger steps: "onednn", or (with bf16_kernel) one of
         LARGE_STEP_KERNELS on the packed copy, and then no oneDNN copy is kept.
-        int4_kernel: kernels.int4_linear_module() to keep an int4 copy (quantize_int4_groups) for
-        steps of at most INT4_KERNEL_MAX_TOKENS tokens, where the layer's columns come in groups of
-        32 (else it has none); int4_source: the weight to quantize, in its loaded precision (a
-        GGUF's Q4_1 weights come back exactly from float32, not always from bf16), else `weight`."""
+        gguf_kernel: kernels.gguf_linear_module() to keep a copy in gguf_format (a key of
+        GGUF_FORMATS: Q4_1 for --int4-small-batch's layers, Q8_0 for a Q8_0 file's lm_head) for
+        steps of at most GGUF_FORMAT_MAX_TOKENS[gguf_format] tokens, where the layer's columns come in groups of
+        32 (else it has none); gguf_source: the weight to quantize, in its loaded precision (a
+        GGUF's weights come back exactly from float32, not always from bf16), else `weight`."""
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.bias = bias
@@ -185,20 +228,23 @@ class Linear:
         self.row_tile = row_tile
         self.int8_weight = self.int8_scales = self.int8_matmul = None
         self.int8_max_tokens = 0
-        if (int8_small_batch or int4_kernel is not None) and row_tile:
-            raise ValueError("small-batch int8 or int4 weights switch kernels with the step's size; not batch-invariant")
-        if int8_small_batch and int4_kernel is not None:
-            raise ValueError("a layer's small steps take int8 or int4 weights, not both")
-        self.int4_blocks = self.int4_matmul = None
-        self.int4_max_tokens = 0
-        if int4_kernel is not None and int4_supported(weight):
+        if (int8_small_batch or gguf_kernel is not None) and row_tile:
+            raise ValueError("small-batch int8 or GGUF-format weights switch kernels with the step's size; "
+                             "not batch-invariant")
+        if int8_small_batch and gguf_kernel is not None:
+            raise ValueError("a layer's small steps take int8 or GGUF-format weights, not both")
+        if gguf_format not in GGUF_FORMATS:
+            raise ValueError(f"gguf_format {gguf_format!r}: one of {sorted(GGUF_FORMATS)}")
+        self.gguf_blocks = self.gguf_matmul = None
+        self.gguf_max_tokens = 0
+        if gguf_kernel is not None and gguf_supported(weight):
             if not small_batch_supported(weight):
-                raise ValueError("int4 small-batch weights need bfloat16 weights on the CPU")
-            source = weight if int4_source is None else int4_source
-            self.int4_blocks = pack_int4_blocks(*quantize_int4_groups(source))
-            self.int4_matmul, self.int4_max_tokens = int4_kernel.int4_linear, INT4_KERNEL_MAX_TOKENS
-        # Small steps on an int8 or int4 copy: the bf16 weights serve the larger ones only.
-        quantized_small = int8_small_batch or self.int4_blocks is not None
+                raise ValueError("GGUF-format small-batch weights need bfloat16 weights on the CPU")
+            quantize, pack, matmul = GGUF_FORMATS[gguf_format]
+            self.gguf_blocks = pack(*quantize(weight if gguf_source is None else gguf_source))
+            self.gguf_matmul, self.gguf_max_tokens = getattr(gguf_kernel, matmul), GGUF_FORMAT_MAX_TOKENS[gguf_format]
+        # Small steps on an int8 or GGUF-format copy: the bf16 weights serve the larger ones only.
+        quantized_small = int8_small_batch or self.gguf_blocks is not None
         if int8_small_batch:
             if not small_batch_supported(weight):
                 raise ValueError("int8 small-batch weights need bfloat16 weights on the CPU")
@@ -215,12 +261,12 @@ class Linear:
                              "with the bf16 kernel module")
         if bf16_kernel is not None:
             if row_tile or (quantized_small and bf16_large_steps == "onednn"):
-                raise ValueError("bf16 small-batch weights are neither for int8 / int4 small-batch nor batch-invariant "
-                                 "layers")
+                raise ValueError("bf16 small-batch weights are neither for int8 / GGUF small-batch nor "
+                                 "batch-invariant layers")
             if not small_batch_supported(weight):
                 raise ValueError("bf16 small-batch weights need bfloat16 weights on the CPU")
             self.bf16_blocks = pack_row_blocks(weight)
-            if not quantized_small:  # with int8 or int4 small-step weights, the packed copy serves larger steps only
+            if not quantized_small:  # with int8 or GGUF small-step weights, the packed copy serves larger steps only
                 self.bf16_matmul, self.bf16_max_tokens = bf16_kernel.bf16_linear, BF16_KERNEL_MAX_TOKENS
             if bf16_large_steps != "onednn":
                 self.bf16_large = getattr(bf16_kernel, LARGE_STEP_KERNELS[bf16_large_steps])
@@ -237,8 +283,8 @@ class Linear:
         if 0 < x.shape[0] <= self.int8_max_tokens:
             y = self.int8_matmul(x, self.int8_weight, self.int8_scales)
             return y if self.bias is None else y + self.bias
-        if 0 < x.shape[0] <= self.int4_max_tokens:
-            return self.int4_matmul(x, self.int4_blocks, self.out_features, self.bias)
+        if 0 < x.shape[0] <= self.gguf_max_tokens:
+            return self.gguf_matmul(x, self.gguf_blocks, self.out_features, self.bias)
         if 0 < x.shape[0] <= self.bf16_max_tokens:
             return self.bf16_matmul(x, self.bf16_blocks, self.out_features, self.in_features, self.bias)
         if self.bf16_large is not None:

@@ -138,12 +138,13 @@ class LlamaModel:
                  dtype: torch.dtype, int8_small_batch: bool = False, batch_invariant: bool = False,
                  int8_kernel: ModuleType | None = None, llama_ops: ModuleType | None = None,
                  bf16_kernel: ModuleType | None = None, bf16_large_steps: str = "onednn",
-                 int4_kernel: ModuleType | None = None) -> None:
+                 gguf_kernel: ModuleType | None = None, gguf_lm_head: str | None = None) -> None:
         """int8_kernel, llama_ops, bf16_kernel: kernels.int8_linear_module(), kernels.llama_ops_module()
         and kernels.bf16_linear_module() (--bf16-small-batch, --cpu-bf16-matmul kernels), which the
         caller passes only for bf16 weights on the CPU (ModelRunner), or None for torch ops.
-        bf16_large_steps: see Linear. int4_kernel: kernels.int4_linear_module() for --int4-small-batch
-        (the decoder layers' matmuls; the lm_head keeps its weights' precision), or None."""
+        bf16_large_steps: see Linear. gguf_kernel: kernels.gguf_linear_module() for --int4-small-batch
+        (the decoder layers' matmuls in Q4_1), or None; gguf_lm_head: the lm_head's small-step format
+        with it ("q8_0": a Q8_0 file's own head), or None to keep its weights' precision."""
         self.shape = shape
         self.device = device
         self.dtype = dtype
@@ -160,12 +161,16 @@ class LlamaModel:
             """In the precision it was loaded in, for the int4 copy's quantization."""
             return weights.pop(name).to(device=device)
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, int4: bool = True) -> Linear:
-            kernel = int4_kernel if int4 else None
-            return Linear(weight.to(dtype=dtype).contiguous(), bias, int8_small_batch, row_tile, int8_kernel,
-                          bf16_kernel, bf16_large_steps, kernel, weight if kernel is not None else None)
+        def linear(loaded: torch.Tensor, bias: torch.Tensor | None = None, gguf_format: str | None = "q4_1",
+                   weight: torch.Tensor | None = None) -> Linear:
+            """loaded: the weight as take_loaded gives it; weight: its copy in dtype, if there is one."""
+            kernel = gguf_kernel if gguf_format else None
+            weight = loaded.to(dtype=dtype).contiguous() if weight is None else weight
+            return Linear(weight, bias, int8_small_batch, row_tile, int8_kernel, bf16_kernel, bf16_large_steps,
+                          kernel, loaded if kernel is not None else None, gguf_format or "q4_1")
 
-        self.embed = take("model.embed_tokens.weight")  # [V, hidden]
+        embed_loaded = take_loaded("model.embed_tokens.weight")
+        self.embed = embed_loaded.to(dtype=dtype).contiguous()  # [V, hidden]
         self.layers = []
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
@@ -188,11 +193,12 @@ class LlamaModel:
                 self.layers[-1]["qk_norm"] = torch.cat([take(p + "self_attn.q_norm.weight").expand(s.num_heads, -1),
                                                         take(p + "self_attn.k_norm.weight").expand(s.num_kv_heads, -1)])
         self.norm = take("model.norm.weight")
-        # The lm_head keeps its weights' precision (a GGUF's token_embd / output are Q8_0 or Q6_K).
+        # The lm_head keeps its weights' precision: bf16, or its GGUF file's own format.
         if s.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = linear(self.embed, int4=False)
+            self.lm_head = linear(embed_loaded, gguf_format=gguf_lm_head, weight=self.embed)
         else:
-            self.lm_head = linear(take("lm_head.weight"), int4=False)
+            self.lm_head = linear(take_loaded("lm_head.weight"), gguf_format=gguf_lm_head)
+        del embed_loaded
         # Rotary tables in float32 for every position, computed as transformers computes
         # them (outer product in float32, cos/sin, then cast) so positions match exactly.
         # Scaled rope types change inv_freq, and yarn scales cos and sin (attention_factor).

@@ -1,6 +1,6 @@
-"""The int4 weights for small CPU steps (--int4-small-batch): GGUF Q4_1's scheme found again in
-dequantized weights (model_worker/models/linear.py) and the compiled matmul on them
-(model_worker/kernels/int4_linear.cpp).
+"""The GGUF-format weights for small CPU steps (--int4-small-batch): GGUF's Q4_1 (the decoder
+layers) and Q8_0 (a Q8_0 file's lm_head) found again in dequantized weights
+(model_worker/models/linear.py), and the compiled matmuls on them (model_worker/kernels/gguf_linear.cpp).
 
 The kernel tests skip where it cannot be used (a CPU without AVX512-BW/VNNI, no C++ compiler);
 the model then keeps bf16 for every step. Where both are there, a kernel that fails to build
@@ -22,15 +22,18 @@ from model_worker import kernels
 from model_worker.config import Config
 from model_worker.model_runner import ModelRunner
 from model_worker.models.linear import (
-    INT4_KERNEL_MAX_TOKENS,
+    GGUF_FORMAT_MAX_TOKENS,
+    GGUF_KERNEL_MAX_TOKENS,
     Linear,
-    pack_int4_blocks,
-    quantize_int4_groups,
+    pack_q4_1_blocks,
+    pack_q8_0_blocks,
+    quantize_q4_1,
+    quantize_q8_0,
 )
 
 CAN_BUILD = ({"avx512f", "avx512bw", "avx512_vnni"} <= kernels.cpu_flags()
              and shutil.which(os.environ.get("CXX", "c++")) is not None)
-module = kernels.int4_linear_module()
+module = kernels.gguf_linear_module()
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no AVX512-VNNI CPU or no C++ compiler here")
 
 
@@ -58,16 +61,16 @@ def _dequantized(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Ten
 
 def test_quantizing_dequantized_q4_1_gives_back_its_q_d_and_m():
     q, d, m = _q4_1(40, 96, seed=1)
-    got_q, got_d, got_m = quantize_int4_groups(_dequantized(q, d, m))
+    got_q, got_d, got_m = quantize_q4_1(_dequantized(q, d, m))
     assert torch.equal(got_q, q) and torch.equal(got_d, d) and torch.equal(got_m, m)
     # Any weight comes within half a step of its group; an all-equal group is m exactly (d = 0).
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
     w[3, :32] = 0.25
-    q, d, m = quantize_int4_groups(w)
+    q, d, m = quantize_q4_1(w)
     assert ((_dequantized(q, d, m) - w).abs() <= d.float().repeat_interleave(32, 1) * 0.5 + 1e-3).all()
     assert d[3, 0] == 0 and torch.equal(_dequantized(q, d, m)[3, :32], w[3, :32])
     with pytest.raises(ValueError, match="float16"):
-        quantize_int4_groups(torch.full((4, 32), 1e6))
+        quantize_q4_1(torch.full((4, 32), 1e6))
 
 
 def test_the_default_gguf_q4_1_blocks_come_back_from_the_converted_weights(smollm2_dir):
@@ -86,7 +89,7 @@ def test_the_default_gguf_q4_1_blocks_come_back_from_the_converted_weights(smoll
     m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
     nibbles = torch.from_numpy(blocks[..., 4:].copy())
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=2).reshape(n, k)  # byte j: column j low, j + 16 high
-    got_q, got_d, got_m = quantize_int4_groups(weight)
+    got_q, got_d, got_m = quantize_q4_1(weight)
     # A group whose values are all equal has d = 0 here; the file may hold any d for it.
     varied = d.float() * 15 > 0
     assert torch.equal(got_m, m)
@@ -96,7 +99,7 @@ def test_the_default_gguf_q4_1_blocks_come_back_from_the_converted_weights(smoll
 
 def test_packing_puts_each_block_of_four_rows_and_its_scales_in_one_stream():
     q, d, m = _q4_1(6, 64, seed=3)
-    packed = pack_int4_blocks(q, d, m)
+    packed = pack_q4_1_blocks(q, d, m)
     assert packed.shape == (2, 2, 80) and packed.dtype == torch.uint8  # rows 6 -> 8, zero-padded
     row, group = 5, 1  # block 1, row 1 of it
     nibbles = packed[1, group, 16:32]
@@ -122,18 +125,18 @@ def _bound(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, e
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(576, 576), (960, 576), (576, 1536), (6, 64), (33, 96)],
                          ids=["square", "qkv", "down", "padded-rows", "odd-rows"])
-@pytest.mark.parametrize("rows", list(range(0, INT4_KERNEL_MAX_TOKENS + 1)))
+@pytest.mark.parametrize("rows", list(range(0, GGUF_KERNEL_MAX_TOKENS + 1)))
 def test_matches_the_dequantized_matmul(n, k, rows):
     q, d, m = _q4_1(n, k, seed=n * 7 + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
     bias = torch.randn(n, generator=torch.Generator().manual_seed(9)).bfloat16()
-    got = module.int4_linear(x, pack_int4_blocks(q, d, m), n)
+    got = module.q4_1_linear(x, pack_q4_1_blocks(q, d, m), n)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     if rows == 0:
         return
     exact = _exact(x, q, d, m)
     assert ((got.double() - exact).abs() <= _bound(x, q, d, m, exact)).all()
-    with_bias = module.int4_linear(x, pack_int4_blocks(q, d, m), n, bias).double()
+    with_bias = module.q4_1_linear(x, pack_q4_1_blocks(q, d, m), n, bias).double()
     assert ((with_bias - exact - bias.double()).abs() <= _bound(x, q, d, m, exact) + bias.double().abs() / 128).all()
 
 
@@ -145,7 +148,7 @@ def test_zero_rows_stay_zero_and_a_non_finite_row_only_spoils_itself():
     x[2, 5] = float("nan")
     x[3, 70] = float("inf")
     x[0, 40:60] = 1e-38  # a group of values whose int8 scale is subnormal: no inf, no NaN
-    got = module.int4_linear(x, pack_int4_blocks(q, d, m), 64)
+    got = module.q4_1_linear(x, pack_q4_1_blocks(q, d, m), 64)
     assert torch.equal(got[1], torch.zeros(64, dtype=torch.bfloat16))
     assert got[2].isnan().all() and got[3].isnan().all()
     exact = _exact(x[:1], q, d, m)
@@ -156,54 +159,55 @@ def test_zero_rows_stay_zero_and_a_non_finite_row_only_spoils_itself():
 @needs_kernel
 def test_refuses_what_it_was_not_built_for():
     q, d, m = _q4_1(8, 64, seed=5)
-    packed = pack_int4_blocks(q, d, m)
+    packed = pack_q4_1_blocks(q, d, m)
     x = torch.randn(1, 64).bfloat16()
     with pytest.raises(RuntimeError, match="at most 8 rows"):
-        module.int4_linear(torch.randn(9, 64).bfloat16(), packed, 8)
+        module.q4_1_linear(torch.randn(9, 64).bfloat16(), packed, 8)
     with pytest.raises(RuntimeError, match="columns"):
-        module.int4_linear(torch.randn(1, 96).bfloat16(), packed, 8)
+        module.q4_1_linear(torch.randn(1, 96).bfloat16(), packed, 8)
     with pytest.raises(RuntimeError, match="rows"):
-        module.int4_linear(x, packed, 12)
+        module.q4_1_linear(x, packed, 12)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        module.int4_linear(x.float(), packed, 8)
+        module.q4_1_linear(x.float(), packed, 8)
     with pytest.raises(RuntimeError, match="packed"):
-        module.int4_linear(x, q, 8)  # the plain [N, K] values
+        module.q4_1_linear(x, q, 8)  # the plain [N, K] values
 
 
 @needs_kernel
-def test_linear_uses_int4_up_to_its_row_limit_and_bf16_beyond():
+def test_linear_uses_q4_1_up_to_its_row_limit_and_bf16_beyond():
     gen = torch.Generator().manual_seed(6)
     source = torch.randn(96, 64, generator=gen) * 0.05
     weight, bias = source.bfloat16(), torch.randn(96, generator=gen).bfloat16()
-    layer = Linear(weight, bias, int4_kernel=module, int4_source=source)
-    assert layer.int4_blocks.shape == (24, 2, 80)
-    q, d, m = quantize_int4_groups(source)
-    for rows in range(1, INT4_KERNEL_MAX_TOKENS + 2):
+    layer = Linear(weight, bias, gguf_kernel=module, gguf_source=source)
+    assert layer.gguf_blocks.shape == (24, 2, 80)
+    q, d, m = quantize_q4_1(source)
+    assert layer.gguf_max_tokens == GGUF_FORMAT_MAX_TOKENS["q4_1"] <= GGUF_KERNEL_MAX_TOKENS
+    for rows in range(1, GGUF_KERNEL_MAX_TOKENS + 2):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         got = layer(x)
-        if rows <= INT4_KERNEL_MAX_TOKENS:
-            assert torch.equal(got, module.int4_linear(x, pack_int4_blocks(q, d, m), 96, bias))
+        if rows <= layer.gguf_max_tokens:
+            assert torch.equal(got, module.q4_1_linear(x, pack_q4_1_blocks(q, d, m), 96, bias))
         else:
             assert torch.equal(got, F.linear(x, weight, bias))
     # Columns that do not split into groups of 32 keep bf16 for every step.
-    odd = Linear(torch.randn(8, 40).bfloat16(), int4_kernel=module)
-    assert odd.int4_blocks is None and odd.int4_max_tokens == 0
+    odd = Linear(torch.randn(8, 40).bfloat16(), gguf_kernel=module)
+    assert odd.gguf_blocks is None and odd.gguf_max_tokens == 0
     with pytest.raises(ValueError, match="not both"):
-        Linear(weight, int8_small_batch=True, int4_kernel=module)
+        Linear(weight, int8_small_batch=True, gguf_kernel=module)
     with pytest.raises(ValueError, match="batch-invariant"):
-        Linear(weight, row_tile=16, int4_kernel=module)
+        Linear(weight, row_tile=16, gguf_kernel=module)
 
 
 @needs_kernel
-def test_model_runner_puts_the_decoder_matmuls_on_int4_and_keeps_the_lm_head(tiny_model_dir):
+def test_model_runner_puts_the_decoder_matmuls_on_q4_1_and_keeps_the_lm_head(tiny_model_dir):
     def runner(**kwargs) -> ModelRunner:
         return ModelRunner(tiny_model_dir, "dummy", torch.device("cpu"), torch.bfloat16, 2, 64, kv_cache_tokens=128,
                            **kwargs)
 
     int4, bf16 = runner(int4_small_batch=True), runner()
     for layer in int4.model.layers:
-        assert all(layer[name].int4_blocks is not None for name in ("qkv", "o", "gate_up", "down"))
-    assert int4.model.lm_head.int4_blocks is None
+        assert all(layer[name].gguf_blocks is not None for name in ("qkv", "o", "gate_up", "down"))
+    assert int4.model.lm_head.gguf_blocks is None
     # One decoder matmul on int4 against bf16: the same weights to 4 bits.
     hidden = torch.randn(3, int4.shape.hidden_size, generator=torch.Generator().manual_seed(7)).bfloat16()
     a, b = int4.model.layers[0]["gate_up"](hidden).float(), bf16.model.layers[0]["gate_up"](hidden).float()
@@ -211,25 +215,125 @@ def test_model_runner_puts_the_decoder_matmuls_on_int4_and_keeps_the_lm_head(tin
 
 
 def test_auto_is_on_only_for_a_q4_1_gguf_on_a_bf16_cpu(smollm2_dir, tiny_model_dir):
-    from model_worker.__main__ import int4_small_batch
-    from model_worker.model_files import gguf_matmul_types
+    from model_worker.__main__ import gguf_small_steps
+    from model_worker.model_files import gguf_weight_types
 
-    def resolved(model_dir, *flags, dtype=torch.bfloat16) -> bool:
+    def resolved(model_dir, *flags, dtype=torch.bfloat16) -> tuple[bool, bool]:
         config = Config(model=str(model_dir))
         for flag, value in zip(flags[::2], flags[1::2], strict=True):
             setattr(config, flag, value)
         hf_config = json.loads((model_dir / "config.json").read_text())
-        return int4_small_batch(config, model_dir, hf_config, torch.device("cpu"), dtype)
+        return gguf_small_steps(config, model_dir, hf_config, torch.device("cpu"), dtype)
 
-    assert gguf_matmul_types(smollm2_dir) == {"Q4_1"} and gguf_matmul_types(tiny_model_dir) == set()
-    assert resolved(smollm2_dir) == ({"avx512f", "avx512bw", "avx512_vnni"} <= kernels.cpu_flags())
-    assert not resolved(tiny_model_dir)  # not from a GGUF: no 4-bit weights to keep
-    assert not resolved(smollm2_dir, dtype=torch.float32)
-    assert not resolved(smollm2_dir, "int8_small_batch", True)
-    assert not resolved(smollm2_dir, "batch_invariant", True)
-    assert not resolved(smollm2_dir, "int4_small_batch", "off")
-    assert resolved(tiny_model_dir, "int4_small_batch", "on")
+    assert gguf_weight_types(smollm2_dir) == ({"Q4_1"}, "Q8_0")
+    assert gguf_weight_types(tiny_model_dir) == (set(), "")
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= kernels.cpu_flags()
+    assert resolved(smollm2_dir) == (vnni, vnni)
+    assert resolved(tiny_model_dir) == (False, False)  # not from a GGUF: no 4-bit weights to keep
+    assert resolved(smollm2_dir, dtype=torch.float32) == (False, False)
+    assert resolved(smollm2_dir, "int8_small_batch", True) == (False, False)
+    assert resolved(smollm2_dir, "batch_invariant", True) == (False, False)
+    assert resolved(smollm2_dir, "int4_small_batch", "off") == (False, False)
+    assert resolved(tiny_model_dir, "int4_small_batch", "on") == (True, False)  # its lm_head stays bf16
     with pytest.raises(ValueError, match="int4-small-batch"):
         Config(int4_small_batch="on", int8_small_batch=True)
     with pytest.raises(ValueError, match="auto, on or off"):
         Config(int4_small_batch="yes")
+
+
+# ---- Q8_0 (the lm_head of a Q8_0 file) ----
+
+def _q8_0(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q8_0 weights as a GGUF holds them: q in -127..127 with each group's largest |q| 127."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int32).to(torch.int8).view(n, k // 32, 32)
+    q[..., 5] = 127
+    q[..., 6] = -127
+    d = (torch.rand(n, k // 32, generator=gen) * 0.002 + 1e-5).to(torch.float16)
+    return q.reshape(n, k), d
+
+
+def _q8_0_dequantized(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    return (q.float().view(n, k // 32, 32) * d.float()[..., None]).view(n, k)
+
+
+def test_quantizing_dequantized_q8_0_gives_back_its_q_and_d():
+    q, d = _q8_0(40, 96, seed=11)
+    got_q, got_d = quantize_q8_0(_q8_0_dequantized(q, d))
+    assert torch.equal(got_q, q) and torch.equal(got_d, d)
+    zeros_q, zeros_d = quantize_q8_0(torch.zeros(4, 32))
+    assert not zeros_q.any() and not zeros_d.any()
+
+
+def test_the_default_gguf_q8_0_lm_head_comes_back_from_the_converted_embedding(smollm2_dir):
+    from gguf import GGUFReader
+    from safetensors.torch import load_file
+
+    source = json.loads((smollm2_dir / "tokenwire_source.json").read_text())["gguf"]
+    tensor = next(t for t in GGUFReader(source).tensors if t.name == "token_embd.weight")
+    assert tensor.tensor_type.name == "Q8_0"
+    weight = load_file(str(smollm2_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    n, k = weight.shape
+    blocks = np.asarray(tensor.data).reshape(n, k // 32, 34)  # Q8_0 block: d (float16), 32 int8
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+    q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(n, k)
+    got_q, got_d = quantize_q8_0(weight)
+    assert torch.equal(got_d, d) and torch.equal(got_q, q)
+
+
+def test_q8_0_packing_holds_rows_scales_and_sums():
+    q, d = _q8_0(6, 64, seed=12)
+    packed = pack_q8_0_blocks(q, d)
+    assert packed.shape == (2, 2, 144)
+    row, group = 5, 1
+    assert torch.equal(packed[1, group, 32:64].view(torch.int8), q[row, 32:64])
+    assert packed[1, group, 128:136].view(torch.float16)[1] == d[row, group]
+    assert packed[1, group, 136:144].view(torch.int16)[1] == q[row, 32:64].int().sum()
+    assert not packed[1, :, 64:128].any()  # padding rows 6, 7
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(49152, 576), (960, 576), (6, 64), (33, 96)],
+                         ids=["lm-head", "qkv", "padded-rows", "odd-rows"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_q8_0_matches_the_dequantized_matmul(n, k, rows):
+    q, d = _q8_0(n, k, seed=n + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = module.q8_0_linear(x, pack_q8_0_blocks(q, d), n).double()
+    weight = _q8_0_dequantized(q, d).double()
+    exact = x.double() @ weight.t()
+    steps = x.double().abs().view(rows, k // 32, 32).amax(2) / 127
+    bound = exact.abs() / 200 + 0.5 * steps @ weight.abs().view(n, k // 32, 32).sum(2).t() + 1e-6
+    assert ((got - exact).abs() <= bound).all()
+
+
+@needs_kernel
+def test_q8_0_zero_rows_stay_zero_and_a_non_finite_row_only_spoils_itself():
+    q, d = _q8_0(64, 96, seed=13)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(14)).bfloat16()
+    x[1] = 0
+    x[2, 50] = float("nan")
+    got = module.q8_0_linear(x, pack_q8_0_blocks(q, d), 64)
+    assert torch.equal(got[1], torch.zeros(64, dtype=torch.bfloat16))
+    assert got[2].isnan().all() and got[0].isfinite().all()
+    with pytest.raises(RuntimeError, match="144"):
+        module.q8_0_linear(x, pack_q4_1_blocks(*_q4_1(64, 96, seed=1)), 64)  # Q4_1's 80-byte groups
+
+
+@needs_kernel
+def test_model_runner_keeps_a_q8_0_lm_head_only_when_asked(tiny_model_dir):
+    def runner(**kwargs) -> ModelRunner:
+        return ModelRunner(tiny_model_dir, "dummy", torch.device("cpu"), torch.bfloat16, 2, 64, kv_cache_tokens=128,
+                           **kwargs)
+
+    q8_head, plain = runner(int4_small_batch=True, q8_0_lm_head=True), runner()
+    head = q8_head.model.lm_head
+    assert head.gguf_blocks is not None and head.gguf_blocks.shape[2] == 144
+    hidden = torch.randn(3, q8_head.shape.hidden_size, generator=torch.Generator().manual_seed(15)).bfloat16()
+    a, b = q8_head.model.logits(hidden).float(), plain.model.logits(hidden).float()
+    assert F.cosine_similarity(a, b).min().item() > 0.999
+    # Steps over the kernel's rows take the bf16 head, which is the plain runner's.
+    assert head.gguf_max_tokens == GGUF_FORMAT_MAX_TOKENS["q8_0"]
+    big = torch.randn(head.gguf_max_tokens + 1, q8_head.shape.hidden_size).bfloat16()
+    assert torch.equal(q8_head.model.logits(big), plain.model.logits(big))
