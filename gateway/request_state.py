@@ -26,6 +26,9 @@ class PromptLogprobs:
 
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]]]
+    # Each token's rank by logprob (1: the most likely); 0 where unknown (the first token, a model
+    # worker that sends none).
+    ranks: list[int] = field(default_factory=list)
 
 
 def prompt_logprobs_of(seq: model_worker_pb2.SequenceTokens) -> PromptLogprobs:
@@ -37,7 +40,8 @@ def prompt_logprobs_of(seq: model_worker_pb2.SequenceTokens) -> PromptLogprobs:
         lps = unpack_float32(seq.prompt_top_logprobs).reshape(-1, k).tolist()
         top = [[(t, lp) for t, lp in zip(row_ids, row_lps, strict=True) if t >= 0]
                for row_ids, row_lps in zip(ids, lps, strict=True)]
-    return PromptLogprobs(logprobs, top)
+    ranks = unpack_int32(seq.prompt_ranks).tolist() if seq.prompt_ranks else []
+    return PromptLogprobs(logprobs, top, ranks)
 
 
 @dataclass

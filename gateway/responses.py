@@ -137,7 +137,9 @@ def vllm_prompt_logprobs(speller: TokenRenderer, prompt_ids: list[int],
         if logprob is None:
             rendered.append(None)
             continue
-        entry = {str(token_id): VllmLogprob(logprob=logprob, decoded_token=speller.token_text(token_id))}
+        rank = prompt_logprobs.ranks[position] if position < len(prompt_logprobs.ranks) else 0
+        entry = {str(token_id): VllmLogprob(logprob=logprob, rank=rank or None,
+                                            decoded_token=speller.token_text(token_id))}
         alternatives = prompt_logprobs.top_logprobs[position] if position < len(prompt_logprobs.top_logprobs) else []
         for rank, (alt, alt_logprob) in enumerate(alternatives, start=1):
             entry.setdefault(str(alt), VllmLogprob(logprob=alt_logprob, rank=rank,

@@ -130,6 +130,7 @@ class _SequenceFrameBuilder:
             return {}
         return {
             "prompt_logprobs": pack_float32(prompt.logprobs),
+            "prompt_ranks": pack_int32(prompt.ranks),
             "num_prompt_top_logprobs": prompt.num_top,
             "prompt_top_token_ids": pack_int32(prompt.top_token_ids) if prompt.num_top else b"",
             "prompt_top_logprobs": pack_float32(prompt.top_logprobs) if prompt.num_top else b"",

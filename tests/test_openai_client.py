@@ -314,7 +314,12 @@ def test_echo_with_logprobs_covers_prompt_tokens(client: openai.OpenAI, model: s
                                      extra_body={"prompt_logprobs": 5})
     echoed = more.choices[0].logprobs.top_logprobs[1:num_prompt]
     assert echoed and all(1 <= len(alternatives) <= 2 for alternatives in echoed), echoed
-    assert all(len(entry) >= 5 for entry in more.model_dump()["choices"][0]["prompt_logprobs"][1:])
+    prompt_logprobs = more.model_dump()["choices"][0]["prompt_logprobs"]
+    assert all(len(entry) >= 5 for entry in prompt_logprobs[1:])
+    # vLLM's entries: every prompt token's own rank too, not only its alternatives'.
+    prompt_ids = [int(next(iter(entry))) for entry in prompt_logprobs[1:]]
+    assert all(isinstance(entry[str(token)]["rank"], int) and entry[str(token)]["rank"] >= 1
+               for token, entry in zip(prompt_ids, prompt_logprobs[1:], strict=True))
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt(client: openai.OpenAI, model: str) -> None:

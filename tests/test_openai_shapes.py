@@ -148,7 +148,7 @@ def test_chat_chunks_have_no_usage_key_without_include_usage() -> None:
 
 @pytest.mark.parametrize("echo", [False, True])
 def test_completion_and_chunks_are_complete(echo: bool) -> None:
-    prompt = PromptLogprobs(logprobs=[None, -1.25], top_logprobs=[[], [(73, -1.25), (65, -2.0)]])
+    prompt = PromptLogprobs(logprobs=[None, -1.25], top_logprobs=[[], [(73, -1.25), (65, -2.0)]], ranks=[0, 1])
     prompts = [PromptEcho("HI", [72, 73]), PromptEcho("J", [74])]
     responder = CompletionResponder("m", ByteSpeller(), True, prompts, n=1, echo=echo, num_top_logprobs=2,
                                     prompt_logprobs=True)
@@ -170,6 +170,7 @@ def test_completion_and_chunks_are_complete(echo: bool) -> None:
         assert first["text"] == "AB" and first["logprobs"]["tokens"] == ["A", "B"]
     # vLLM's prompt_logprobs extension: None for the first prompt token, then id -> logprob
     assert first["prompt_logprobs"][0] is None and first["prompt_logprobs"][1]["73"]["logprob"] == -1.25
+    assert first["prompt_logprobs"][1]["73"]["rank"] == 1 and first["prompt_logprobs"][1]["65"]["rank"] == 2
     stream = CompletionResponder("m", ByteSpeller(), True, prompts[:1], n=1, echo=echo)
     for chunk in (stream.chunk(0, event("A", [65], prompt=prompt)), stream.chunk(0, event("B", [66], "stop"))):
         body = as_json(chunk, with_usage=False)

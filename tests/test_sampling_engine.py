@@ -226,6 +226,25 @@ def test_prompt_logprobs_across_chunks_match_one_forward(runner):
     assert all(lp <= 0 for lp in chunked.logprobs[1:])
     # The top alternative is at least as likely as the actual token.
     assert all(chunked.top_logprobs[2 * i] >= chunked.logprobs[i] - 1e-6 for i in range(1, len(prompt)))
+    # Each token's rank: 1 where it is the top alternative, 2 where the second, else above 2.
+    assert chunked.ranks[0] == 0 and chunked.ranks[1:] == whole.ranks[1:]
+    for i in range(1, len(prompt)):
+        top2 = chunked.top_token_ids[2 * i:2 * i + 2]
+        expected = top2.index(prompt[i]) + 1 if prompt[i] in top2 else None
+        assert chunked.ranks[i] == expected if expected else chunked.ranks[i] > 2, (i, chunked.ranks[i], top2)
+
+
+def test_prompt_token_rank_counts_ties_as_ahead_as_vllm():
+    from model_worker.sampling.prompt_logprobs import PromptLogprobs
+
+    record = PromptLogprobs(0)
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0], [5.0, 1.0, 1.0, 0.0]])  # after positions 0 and 1
+    record.add_chunk(logits, 0, [9, 2, 1])
+    # Token 2 after position 0: tokens 1 and 3 above it, itself: 3. Token 1 after position 1: token 0
+    # above it, token 2 tied with it, itself: 3 (vLLM: the count of logprobs >= the token's).
+    assert record.ranks == [0, 3, 3]
+    record.pad_to(5)
+    assert record.ranks == [0, 3, 3, 0, 0]
 
 
 @pytest.mark.parametrize(("params", "max_tokens", "message"), [

@@ -49,6 +49,7 @@ def test_set_fields_are_carried_over():
 def test_cumulative_and_prompt_logprobs_are_packed():
     prompt = PromptLogprobs(1)
     prompt.logprobs += [-1.5, -0.25]
+    prompt.ranks += [4, 1]
     prompt.top_token_ids += [7, 8]
     prompt.top_logprobs += [-0.5, -0.25]
     first = SequenceOutput(seq_id=0, token_id=11, logprob=-0.5, raw_logprob=-0.5, cumulative_logprob=-0.5,
@@ -62,5 +63,6 @@ def test_cumulative_and_prompt_logprobs_are_packed():
     assert math.isnan(lps[0]) and lps[1:] == [-1.5, -0.25]
     assert seq.num_prompt_top_logprobs == 1
     assert unpack_int32_list(seq.prompt_top_token_ids) == [-1, 7, 8]
+    assert unpack_int32_list(seq.prompt_ranks) == [0, 4, 1]
     later = build_frame([("r", second)]).sequences[0]
     assert later.prompt_logprobs == b"" and later.num_prompt_top_logprobs == 0

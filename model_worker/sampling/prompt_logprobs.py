@@ -19,8 +19,11 @@ from model_worker.sampling.processors import topk_lowest_id_first
 @dataclass
 class PromptLogprobs:
     num_top: int  # alternatives per position
-    # Position 0 has no logprob: NaN and a row of -1 / NaN, as the proto says.
+    # Position 0 has no logprob: NaN, rank 0 and a row of -1 / NaN, as the proto says.
     logprobs: list[float] = field(default_factory=lambda: [math.nan])
+    # Each token's rank in the vocabulary by logprob: 1 + the tokens at least as likely, itself
+    # left out (vLLM counts logprobs >= the token's, itself included).
+    ranks: list[int] = field(default_factory=lambda: [0])
     top_token_ids: list[int] = field(default_factory=list)  # row-major [positions, num_top]
     top_logprobs: list[float] = field(default_factory=list)
 
@@ -49,7 +52,9 @@ class PromptLogprobs:
         targets = torch.tensor(prompt_token_ids[start:start + logits.shape[0]], dtype=torch.long,
                                device=logits.device)
         log_probs = logits.float().log_softmax(dim=-1)  # [n, V]
-        self.logprobs.extend(log_probs.gather(-1, targets[:, None])[:, 0].tolist())
+        target_logprobs = log_probs.gather(-1, targets[:, None])  # [n, 1]
+        self.logprobs.extend(target_logprobs[:, 0].tolist())
+        self.ranks.extend((log_probs >= target_logprobs).sum(dim=-1).tolist())
         if self.num_top:
             top_lps, top_ids = topk_lowest_id_first(log_probs, self.num_top)
             self.top_token_ids.extend(top_ids.flatten().tolist())
@@ -62,5 +67,6 @@ class PromptLogprobs:
 
     def _append_missing(self) -> None:
         self.logprobs.append(math.nan)
+        self.ranks.append(0)
         self.top_token_ids.extend([-1] * self.num_top)
         self.top_logprobs.extend([math.nan] * self.num_top)
