@@ -19,6 +19,7 @@ from model_worker.host_memory import keep_freed_memory_in_heap
 from model_worker.kernels import cpu_flags
 from model_worker.model_files import gguf_weight_types, model_id_for, resolve_model_dir
 from model_worker.model_runner import ModelRunner, model_shape, resolve_device, resolve_dtype
+from model_worker.models.linear import GGUF_FORMAT_MAX_TOKENS, Linear
 from model_worker.models.llama import LlamaShape
 from model_worker.servicer import ModelWorkerServicer
 from model_worker.structured_output import GrammarCompiler
@@ -67,20 +68,36 @@ def gguf_small_steps(config: Config, model_dir: Path, hf_config: dict, device: t
     or auto, which is on for a GGUF whose decoder matmuls are all Q4_1 (the int4 copy is then the
     file's own weights), run on the CPU in bf16 with no flag that excludes it. With it, a GGUF's
     Q8_0 lm_head keeps a Q8_0 copy for the same steps."""
-    layer_types, head_type = gguf_weight_types(model_dir)
-    if config.int4_small_batch != "auto":
-        on = config.int4_small_batch == "on"
-        return on, on and head_type == "Q8_0"
-    if (device.type != "cpu" or dtype != torch.bfloat16 or config.int8_small_batch or config.bf16_small_batch
+    if config.int4_small_batch == "off":
+        return False, False
+    if config.int4_small_batch == "auto" and (
+            device.type != "cpu" or dtype != torch.bfloat16 or config.int8_small_batch or config.bf16_small_batch
             or config.batch_invariant or not config.cpu_decode_kernel
             or not isinstance(model_shape(hf_config), LlamaShape)
             or not {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags()):
         return False, False
-    if layer_types != {"Q4_1"}:
-        return False, False
-    logger.info("--int4-small-batch auto: the GGUF's layer weights are Q4_1 (lm_head %s); steps of <= 8 tokens "
-                "run on them as the file holds them", head_type)
+    layer_types, head_type = gguf_weight_types(model_dir)
+    if config.int4_small_batch == "auto":
+        if layer_types != {"Q4_1"}:
+            return False, False
+        logger.info("--int4-small-batch auto: the GGUF's layer weights are Q4_1 (lm_head %s); steps of <= %d tokens "
+                    "run on them as the file holds them", head_type, GGUF_FORMAT_MAX_TOKENS["q4_1"])
     return True, head_type == "Q8_0"
+
+
+def warn_if_gguf_blocks_rounded(runner: ModelRunner, model_dir: Path) -> None:
+    """A GGUF's Q4_1 / Q8_0 blocks come back exactly from its dequantized weights when llama.cpp's
+    plain quantizer made them; one made with an importance matrix may not span each group's 0..15,
+    and re-quantizing rounds its weights once more. Said once at startup, not hidden."""
+    layers = getattr(runner.model, "layers", None)
+    if not layers:
+        return
+    linears = [*(v for layer in layers for v in layer.values() if isinstance(v, Linear)), runner.model.lm_head]
+    rounded = [linear for linear in linears if linear.gguf_blocks is not None and not linear.gguf_exact]
+    if rounded and gguf_weight_types(model_dir)[0]:  # another model's weights are rounded by design
+        logger.warning("--int4-small-batch: %d of %d GGUF-format copies are not the file's exact blocks (an "
+                       "importance-matrix quantization?): their small steps run a second rounding of its weights",
+                       len(rounded), sum(linear.gguf_blocks is not None for linear in linears))
 
 
 def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
@@ -104,6 +121,7 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
                          config.cpu_decode_kernel, Path(config.cache_dir) / "kernels", config.cuda_graphs,
                          config.bf16_small_batch, config.cpu_bf16_matmul,
                          *gguf_small_steps(config, model_dir, hf_config, device, dtype))
+    warn_if_gguf_blocks_rounded(runner, model_dir)
     eos_ids = default_eos_ids(_read_json(model_dir / "generation_config.json"), hf_config)
     engine = LLMEngine(runner, eos_ids, config.max_num_seqs, config.max_num_batched_tokens,
                        config.max_waiting_requests, config.seed, config.enable_prefix_caching, config.max_best_of,

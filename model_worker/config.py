@@ -57,11 +57,12 @@ class Config(WorkerServerOptions):
                 "(<= 4 where the C++ kernel cannot be built; 2-3x faster single-stream decode, +50%% weight "
                 "memory, int8 rounding on those steps)"})
     int4_small_batch: str = field(default="auto", metadata={
-        "help": "CPU + bfloat16 on AVX512-VNNI, Llama family: also keep the decoder layers' weights as int4 in groups "
-                "of 32 with a float16 scale and minimum each (GGUF's Q4_1, so a Q4_1 file's own weights exactly) for "
-                "steps of <= 8 tokens, x rounded to int8 per group of 32 as llama.cpp does (single-stream decode "
-                "~1.8x faster than bf16 here; +31%% weight memory; the lm_head keeps its precision). on, off, or auto: "
-                "on for a GGUF whose layer matmuls are all Q4_1 (the default model's) where nothing else rules it out"})
+        "help": "CPU + bfloat16 on AVX512-VNNI, Llama family: small steps on GGUF's block formats: the decoder layers' "
+                "matmuls keep a Q4_1 copy (int4 in groups of 32, a float16 scale and minimum each) for steps of <= 6 "
+                "tokens, and a GGUF's Q8_0 lm_head a Q8_0 copy for steps of <= 4 (x rounded to int8 per group of 32 "
+                "as llama.cpp does; for a GGUF in these formats, the file's own weights; +31%% of the layers' memory, "
+                "+53%% of the head's). on, off, or auto: on for a GGUF whose layer matmuls are all Q4_1 (the default "
+                "model's) where nothing else rules it out"})
     bf16_small_batch: bool = field(default=False, metadata={
         "help": "CPU + bfloat16 on AVX512-BF16: also keep the bf16 weights packed for a C++ matmul that streams "
                 "them near memory bandwidth, and use it for steps of <= 8 tokens (same weights, no int8 "

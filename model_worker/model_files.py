@@ -111,15 +111,23 @@ _GGUF_MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
 def gguf_weight_types(model_dir: Path) -> tuple[set[str], str]:
     """The quantization types in the GGUF file model_dir was converted from: the decoder layers'
     matmul weights' (e.g. {"Q4_1"}) and the lm_head's (output.weight, else the tied token_embd:
-    e.g. "Q8_0"); empty for a model not from a GGUF (or whose file is gone)."""
+    e.g. "Q8_0"); empty for a model not from a GGUF, or whose file is gone or unreadable (a
+    cached conversion outlives its source)."""
     try:
         source = Path(json.loads((model_dir / "tokenwire_source.json").read_text())["gguf"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return set(), ""
-    if not source.is_file():
-        return set(), ""
-    from gguf import GGUFReader
+        from gguf import GGUFReader
 
-    types = {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(str(source)).tensors}
-    layers = {kind for name, kind in types.items() if name.startswith("blk.") and name.split(".")[-2] in _GGUF_MATMULS}
+        types = {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(str(source)).tensors}
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
+        if (model_dir / "tokenwire_source.json").exists():
+            logger.warning("could not read the quantization types of %s's GGUF: %s", model_dir, exc)
+        return set(), ""
+    return split_gguf_weight_types(types)
+
+
+def split_gguf_weight_types(types: dict[str, str]) -> tuple[set[str], str]:
+    """gguf_weight_types from {tensor name: type}. Only the matmuls' weights count: llama.cpp
+    keeps biases (Qwen2's q, k and v) and norms in F32 whatever the file's quantization."""
+    layers = {kind for name, kind in types.items()
+              if name.startswith("blk.") and name.endswith(".weight") and name.split(".")[-2] in _GGUF_MATMULS}
     return layers, types.get("output.weight", types.get("token_embd.weight", ""))

@@ -184,8 +184,8 @@ class ModelRunner:
             if int8_small_batch or bf16_small_batch or int4_small_batch:
                 flag = ("--int8-small-batch" if int8_small_batch else
                         "--int4-small-batch" if int4_small_batch else "--bf16-small-batch")
-                raise ValueError(f"{flag} is only for natively run architectures "
-                                 "(Llama family, GPT-2), not the transformers fallback")
+                natives = "the Llama family" if int4_small_batch else "natively run architectures (Llama family, GPT-2)"
+                raise ValueError(f"{flag} is only for {natives}, not the transformers fallback")
             self.model = HFCausalLM(model_dir, s, load_format, device, dtype)
         else:
             if isinstance(s, GPT2Shape):

@@ -337,3 +337,64 @@ def test_model_runner_keeps_a_q8_0_lm_head_only_when_asked(tiny_model_dir):
     assert head.gguf_max_tokens == GGUF_FORMAT_MAX_TOKENS["q8_0"]
     big = torch.randn(head.gguf_max_tokens + 1, q8_head.shape.hidden_size).bfloat16()
     assert torch.equal(q8_head.model.logits(big), plain.model.logits(big))
+
+
+def test_layer_types_count_the_matmul_weights_only():
+    from model_worker.model_files import split_gguf_weight_types
+
+    # A Qwen2 file: q, k and v have biases, which llama.cpp keeps in F32 whatever the quantization.
+    types = {"token_embd.weight": "Q8_0", "output_norm.weight": "F32"}
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        types[f"blk.0.{name}.weight"] = "Q4_1"
+    types |= {"blk.0.attn_q.bias": "F32", "blk.0.attn_k.bias": "F32", "blk.0.attn_v.bias": "F32",
+              "blk.0.attn_norm.weight": "F32"}
+    assert split_gguf_weight_types(types) == ({"Q4_1"}, "Q8_0")
+    assert split_gguf_weight_types(types | {"output.weight": "Q6_K"}) == ({"Q4_1"}, "Q6_K")
+
+
+def test_off_reads_no_file_and_an_unreadable_source_only_turns_auto_off(tiny_model_dir, tmp_path, caplog):
+    from model_worker.__main__ import gguf_small_steps
+
+    model_dir = tmp_path / "converted"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
+    (tmp_path / "gone.gguf").write_bytes(b"not a gguf")
+    (model_dir / "tokenwire_source.json").write_text(json.dumps({"gguf": str(tmp_path / "gone.gguf")}))
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    cpu = torch.device("cpu")
+    assert gguf_small_steps(Config(int4_small_batch="off"), model_dir, hf_config, cpu, torch.bfloat16) == (False, False)
+    assert not caplog.records  # the file was not opened
+    assert gguf_small_steps(Config(), model_dir, hf_config, cpu, torch.bfloat16) == (False, False)
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= kernels.cpu_flags():
+        assert "could not read" in caplog.text
+
+
+@needs_kernel
+def test_a_copy_that_rounds_its_source_again_is_known_and_said(tiny_model_dir, smollm2_dir, caplog):
+    from model_worker.__main__ import warn_if_gguf_blocks_rounded
+
+    q, d, m = _q4_1(8, 64, seed=16)
+    exact = Linear(_dequantized(q, d, m).bfloat16(), gguf_kernel=module, gguf_source=_dequantized(q, d, m))
+    assert exact.gguf_exact
+    # An importance-matrix Q4_1 group: q within 1..14, so its minimum is not m nor its maximum m + 15 d.
+    q[:, :32] = q[:, :32].clamp(1, 14)
+    imatrix = Linear(_dequantized(q, d, m).bfloat16(), gguf_kernel=module, gguf_source=_dequantized(q, d, m))
+    assert not imatrix.gguf_exact
+    runner = ModelRunner(tiny_model_dir, "dummy", torch.device("cpu"), torch.bfloat16, 2, 64, kv_cache_tokens=128,
+                         int4_small_batch=True)  # random weights: no layer is exactly Q4_1
+    warn_if_gguf_blocks_rounded(runner, tiny_model_dir)  # not from a GGUF: rounded by design, nothing said
+    assert "not the file's exact blocks" not in caplog.text
+    warn_if_gguf_blocks_rounded(runner, smollm2_dir)  # as if these weights had come from a Q4_1 file
+    assert "8 of 8 GGUF-format copies are not the file's exact blocks" in caplog.text
+
+
+@needs_kernel
+def test_steps_past_the_gguf_limit_stream_the_bf16_copy():
+    bf16 = kernels.bf16_linear_module()
+    if bf16 is None:
+        pytest.skip("no AVX512-BF16 kernel here")
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(17)).bfloat16()
+    layer = Linear(weight, bf16_kernel=bf16, bf16_large_steps="fma", gguf_kernel=module)
+    assert layer.gguf_max_tokens == GGUF_FORMAT_MAX_TOKENS["q4_1"] < layer.bf16_max_tokens
+    x = torch.randn(layer.gguf_max_tokens + 1, 64).bfloat16()
+    assert torch.equal(layer(x), bf16.bf16_linear(x, layer.bf16_blocks, 64, 64, None))

@@ -139,7 +139,7 @@ def int8_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | No
 
 @functools.cache
 def gguf_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
-    """The AVX512-VNNI weight-only int4 matmul for small steps (gguf_linear.cpp, GGUF's Q4_1 scheme), or None."""
+    """The AVX512-VNNI matmuls on GGUF's Q4_1 and Q8_0 blocks for small steps (gguf_linear.cpp), or None."""
     return _vectorized_module(GGUF_LINEAR_SOURCE, {"avx512f", "avx512bw", "avx512_vnni"}, build_root,
                               "AVX512-BW/VNNI")
 

@@ -169,9 +169,22 @@ def pack_q8_0_blocks(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
                       sums.contiguous().view(torch.uint8)], dim=2).contiguous()
 
 
-# The GGUF formats a Linear keeps a small-step copy in: (quantize, pack, the kernel module's matmul).
-GGUF_FORMATS = {"q4_1": (quantize_q4_1, pack_q4_1_blocks, "q4_1_linear"),
-                "q8_0": (quantize_q8_0, pack_q8_0_blocks, "q8_0_linear")}
+def dequantize_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """float32 d * q + m, as transformers dequantizes a Q4_1 tensor."""
+    n, k = q.shape
+    return (q.float().view(n, k // GGUF_GROUP_COLS, GGUF_GROUP_COLS) * d.float()[..., None]
+            + m.float()[..., None]).view(n, k)
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    return (q.float().view(n, k // GGUF_GROUP_COLS, GGUF_GROUP_COLS) * d.float()[..., None]).view(n, k)
+
+
+# The GGUF formats a Linear keeps a small-step copy in: (quantize, dequantize, pack, the kernel
+# module's matmul).
+GGUF_FORMATS = {"q4_1": (quantize_q4_1, dequantize_q4_1, pack_q4_1_blocks, "q4_1_linear"),
+                "q8_0": (quantize_q8_0, dequantize_q8_0, pack_q8_0_blocks, "q8_0_linear")}
 
 
 def gguf_supported(weight: torch.Tensor) -> bool:
@@ -205,7 +218,7 @@ class Linear:
     """y [T, N] = x [T, K] @ weight [N, K]^T (+ bias); `weight` is None when only the packed copy is kept."""
 
     __slots__ = ("weight", "packed_weight", "bias", "int8_weight", "int8_scales", "int8_matmul", "int8_max_tokens",
-                 "gguf_blocks", "gguf_matmul", "gguf_max_tokens", "bf16_blocks", "bf16_matmul", "bf16_max_tokens",
+                 "gguf_blocks", "gguf_matmul", "gguf_max_tokens", "gguf_exact", "bf16_blocks", "bf16_matmul", "bf16_max_tokens",
                  "bf16_large", "out_features", "in_features", "row_tile")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_small_batch: bool = False,
@@ -237,13 +250,21 @@ class Linear:
             raise ValueError(f"gguf_format {gguf_format!r}: one of {sorted(GGUF_FORMATS)}")
         self.gguf_blocks = self.gguf_matmul = None
         self.gguf_max_tokens = 0
+        # Whether the GGUF-format copy holds exactly the source's values (a GGUF's own blocks
+        # found again), or rounded them (another model's weights; a Q4_1 file quantized with an
+        # importance matrix, whose q need not span 0..15 in a group).
+        self.gguf_exact = False
         if gguf_kernel is not None and gguf_supported(weight):
             if not small_batch_supported(weight):
                 raise ValueError("GGUF-format small-batch weights need bfloat16 weights on the CPU")
-            quantize, pack, matmul = GGUF_FORMATS[gguf_format]
-            self.gguf_blocks = pack(*quantize(weight if gguf_source is None else gguf_source))
+            quantize, dequantize, pack, matmul = GGUF_FORMATS[gguf_format]
+            source = (weight if gguf_source is None else gguf_source).float()
+            quantized = quantize(source)
+            self.gguf_exact = torch.equal(dequantize(*quantized), source)
+            self.gguf_blocks = pack(*quantized)
             self.gguf_matmul, self.gguf_max_tokens = getattr(gguf_kernel, matmul), GGUF_FORMAT_MAX_TOKENS[gguf_format]
-        # Small steps on an int8 or GGUF-format copy: the bf16 weights serve the larger ones only.
+        # Small steps on an int8 copy, or up to its own limit on a GGUF-format copy; the bf16
+        # weights serve the rest (the bf16 kernel's streaming matmul the steps between).
         quantized_small = int8_small_batch or self.gguf_blocks is not None
         if int8_small_batch:
             if not small_batch_supported(weight):
@@ -266,7 +287,7 @@ class Linear:
             if not small_batch_supported(weight):
                 raise ValueError("bf16 small-batch weights need bfloat16 weights on the CPU")
             self.bf16_blocks = pack_row_blocks(weight)
-            if not quantized_small:  # with int8 or GGUF small-step weights, the packed copy serves larger steps only
+            if not int8_small_batch:  # with int8 small-step weights, the packed copy serves larger steps only
                 self.bf16_matmul, self.bf16_max_tokens = bf16_kernel.bf16_linear, BF16_KERNEL_MAX_TOKENS
             if bf16_large_steps != "onednn":
                 self.bf16_large = getattr(bf16_kernel, LARGE_STEP_KERNELS[bf16_large_steps])

@@ -158,19 +158,20 @@ class LlamaModel:
             return weights.pop(name).to(device=device, dtype=dtype).contiguous()
 
         def take_loaded(name: str) -> torch.Tensor:
-            """In the precision it was loaded in, for the int4 copy's quantization."""
-            return weights.pop(name).to(device=device)
+            """As loaded (precision and device), for a GGUF-format copy's quantization; linear()
+            converts it, so a float32 checkpoint never reaches a GPU in float32."""
+            return weights.pop(name)
 
         def linear(loaded: torch.Tensor, bias: torch.Tensor | None = None, gguf_format: str | None = "q4_1",
                    weight: torch.Tensor | None = None) -> Linear:
             """loaded: the weight as take_loaded gives it; weight: its copy in dtype, if there is one."""
             kernel = gguf_kernel if gguf_format else None
-            weight = loaded.to(dtype=dtype).contiguous() if weight is None else weight
+            weight = loaded.to(device=device, dtype=dtype).contiguous() if weight is None else weight
             return Linear(weight, bias, int8_small_batch, row_tile, int8_kernel, bf16_kernel, bf16_large_steps,
                           kernel, loaded if kernel is not None else None, gguf_format or "q4_1")
 
         embed_loaded = take_loaded("model.embed_tokens.weight")
-        self.embed = embed_loaded.to(dtype=dtype).contiguous()  # [V, hidden]
+        self.embed = embed_loaded.to(device=device, dtype=dtype).contiguous()  # [V, hidden]
         self.layers = []
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
