@@ -52,6 +52,7 @@ from gateway.responses import (
     CompletionResponder,
     PromptEcho,
     Responder,
+    ToolCallMode,
     sse_stream,
 )
 
@@ -131,11 +132,13 @@ def create_app(config: Config) -> FastAPI:
         pipeline = pipeline_for(request, body.model)
         tokenizer = tokenizer_of(pipeline)
         prompt_ids = await tokenizer.encode_chat_async(chat_messages_of(body.messages), body.add_generation_prompt,
-                                                       body.continue_final_message, body.chat_template_kwargs)
+                                                       body.continue_final_message, body.chat_template_kwargs,
+                                                       body.template_tools())
         params = generation_params(body, tokenizer.encode_words)
         check_params_vocab(params, pipeline.model_info.vocab_size)
+        tool_calls = ToolCallMode.of(body)
         responder = ChatResponder(body.model, renderer_of(pipeline), body.logprobs, body.include_usage,
-                                  prompt_ids)
+                                  prompt_ids, tool_calls)
         responder.continuous_usage = body.continuous_usage
         return await _respond(request, pipeline, [prompt_ids], params, body.stream, responder, "messages")
 

@@ -261,22 +261,89 @@ class _ChatTemplateFields(BaseModel):
         return self
 
 
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # A JSON schema of the arguments object; none: any object.
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs set to true")
-        # With tool_choice "none" the model may not call them: the request runs, the tools unused.
-        if self.tools and self.tool_choice != "none":
-            raise ParamError("tools", "tools (function calling) is not supported; send the tool results as messages")
+        # Function calling as vLLM does it without a tool-call parser: a forced call ("required",
+        # or a named function) is structured output, the arguments decoded against the tools'
+        # schemas; "none" runs without them. "auto" would need a parser of each model family's
+        # own call syntax, which this server does not have.
+        if self.tools and self.tool_choice in (None, "auto"):
+            raise ParamError("tool_choice", 'tool_choice "auto" (the default with tools) is not supported: it needs a '
+                                            'model-specific tool-call parser; send "required", a named function, or '
+                                            '"none"')
+        if self.forces_tool_call():
+            if not self.tools:
+                raise ParamError("tool_choice", "tool_choice forces a tool call, but no tools were sent")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.named_tool() is None:
+                raise ParamError("tool_choice", f"tool_choice names the function {self.tool_choice.function.name!r}, "
+                                                "which is not among the tools")
+            if self.response_format is not None and self.response_format.type != "text" or any(
+                    getattr(self, name) is not None for name in ("guided_json", "guided_regex", "guided_choice",
+                                                                 "guided_grammar", "regex", "ebnf")):
+                raise ParamError("tool_choice", "a forced tool call is an output constraint of its own; "
+                                                "not with response_format or guided_* fields")
         return self
+
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def named_tool(self) -> ToolDefinition | None:
+        """The tool a named tool_choice picks (None where it names no tool, or names none)."""
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next((t for t in self.tools or () if t.function.name == self.tool_choice.function.name), None)
+
+    def tool_call_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a forced tool call's output is decoded against (vLLM's): a named
+        function's arguments object; for "required", a non-empty array of {name, parameters}
+        objects, one of the tools each. None when no call is forced."""
+        named = self.named_tool()
+        if named is not None:
+            return named.function.parameters or {"type": "object"}
+        if self.tool_choice != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                   "parameters": t.function.parameters or {"type": "object"}},
+                  "required": ["name", "parameters"]} for t in self.tools or ()]
+        return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template gets them (for templates that describe them to the
+        model); none with tool_choice "none", which leaves them out of the prompt."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def completion_token_limit(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens when both are sent.

@@ -52,10 +52,29 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_tool_calls_key_without_calls(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 # vLLM's stop_reason: the stop string or stop_token_ids entry that ended a choice (null otherwise).
@@ -66,7 +85,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     stop_reason: StopReason = None
 
 
@@ -81,9 +100,31 @@ class ChatCompletion(BaseModel):
     prompt_logprobs: PromptLogprobsField = None
 
 
+class _WithoutNulls(BaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        # Stream deltas carry only the keys they set: absent keys, not nulls (OpenAI's).
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_WithoutNulls):
+    """A piece of a streamed tool call: its id, type and name on the first, arguments text after."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
@@ -96,7 +137,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: StopReason = None
 
 

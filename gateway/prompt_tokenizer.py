@@ -40,15 +40,17 @@ class PromptTokenizer:
         return cls(AutoTokenizer.from_pretrained(identity.path), chat_template)
 
     def encode_chat(self, messages: list[dict[str, object]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """template_kwargs: extra variables for the template (chat_template_kwargs)."""
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """template_kwargs: extra variables for the template (chat_template_kwargs); tools: the
+        request's function definitions, for templates that describe them."""
         if self._chat_template is None and getattr(self._hf, "chat_template", None) is None:
             raise invalid_request("this model has no chat template; use /v1/completions", param="messages")
         try:
             ids = self._hf.apply_chat_template(messages, chat_template=self._chat_template,
                                                add_generation_prompt=add_generation_prompt,
-                                               continue_final_message=continue_final_message, tokenize=True,
-                                               return_dict=False, **(template_kwargs or {}))
+                                               continue_final_message=continue_final_message, tools=tools,
+                                               tokenize=True, return_dict=False, **(template_kwargs or {}))
         except Exception as exc:  # jinja raises on conversations its template rejects
             raise invalid_request(f"chat template failed on these messages: {exc}", param="messages") from exc
         return list(ids)
@@ -59,11 +61,12 @@ class PromptTokenizer:
 
     async def encode_chat_async(self, messages: list[dict[str, object]], add_generation_prompt: bool = True,
                                 continue_final_message: bool = False,
-                                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                                template_kwargs: dict[str, Any] | None = None,
+                                tools: list[dict[str, Any]] | None = None) -> list[int]:
         """encode_chat, off the event loop for a long conversation (INLINE_ENCODE_MAX_CHARS)."""
         chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
         return await _off_loop_if_long(chars, self.encode_chat, messages, add_generation_prompt,
-                                       continue_final_message, template_kwargs)
+                                       continue_final_message, template_kwargs, tools)
 
     async def encode_text_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """encode_text, off the event loop for a long text (INLINE_ENCODE_MAX_CHARS)."""

@@ -89,6 +89,9 @@ def bad_word_sequences(words: Sequence[str], encode_words: EncodeWords) -> list[
 def structured_output(body: GenerationRequest) -> model_worker_pb2.StructuredOutput | None:
     """The one output constraint the body names (the request models refuse two), or None."""
     so = model_worker_pb2.StructuredOutput
+    tool_schema = body.tool_call_schema() if isinstance(body, ChatCompletionRequest) else None
+    if tool_schema is not None:
+        return so(json_schema=json.dumps(tool_schema))
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
         return so(json_object=True)

@@ -28,8 +28,12 @@ from gateway.openai_responses import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
     PromptTokensDetails,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
     VllmLogprob,
@@ -217,14 +221,53 @@ class _Responder:
             await self.speller.ensure(ids)
 
 
+@dataclass(frozen=True)
+class ToolCallMode:
+    """A forced tool call (ChatCompletionRequest.tool_call_schema): named, the output is that
+    function's arguments; required, a JSON array of {name, parameters} calls."""
+
+    named: str | None = None  # the function's name; None: "required"
+
+    @classmethod
+    def of(cls, body: Any) -> ToolCallMode | None:
+        """The mode of a ChatCompletionRequest, or None where it forces no call."""
+        if not body.forces_tool_call():
+            return None
+        named = body.named_tool()
+        return cls(named.function.name if named is not None else None)
+
+    @staticmethod
+    def call_id() -> str:
+        return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        """The output as tool calls; None where it is not a whole call list (cut by max_tokens)."""
+        if self.named is not None:
+            return [ToolCall(id=self.call_id(), function=FunctionCall(name=self.named, arguments=text))]
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(items, list) or not all(isinstance(i, dict) and "name" in i for i in items):
+            return None
+        return [ToolCall(id=self.call_id(), function=FunctionCall(
+            name=str(item["name"]), arguments=json.dumps(item.get("parameters", {}), ensure_ascii=False)))
+            for item in items]
+
+
 class ChatResponder(_Responder):
     id_prefix = "chatcmpl"
     object_name = "chat.completion.chunk"
 
     def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, include_usage: bool = False,
-                 prompt_token_ids: list[int] | None = None) -> None:
+                 prompt_token_ids: list[int] | None = None, tool_calls: ToolCallMode | None = None) -> None:
         super().__init__(model, speller, logprobs, include_usage)
         self.prompt_token_ids = prompt_token_ids or []
+        self.tool_calls = tool_calls
+        # Streams of a forced call: the choices whose call has opened (a named call streams its
+        # arguments as they come), and the text of each "required" call list until it is whole.
+        self._opened_calls: set[int] = set()
+        self._call_text: dict[int, list[str]] = {}
 
     def _prompt_ids(self, index: int) -> list[int]:
         return self.prompt_token_ids
@@ -253,7 +296,7 @@ class ChatResponder(_Responder):
         return event.text if event.text or event.finish_reason is None else None
 
     def _plain_choice_json(self, index: int, event: GenerationEvent) -> str | None:
-        if self.logprobs:
+        if self.logprobs or self.tool_calls is not None:
             return None
         content = self._delta_content(event)
         delta = "{}" if content is None else f'{{"content":{_json_text(content)}}}'
@@ -261,22 +304,60 @@ class ChatResponder(_Responder):
                 f'"finish_reason":{_json_text(event.finish_reason)},"stop_reason":{_json_text(event.stop_reason)}}}')
 
     def chunk(self, index: int, event: GenerationEvent) -> ChatCompletionChunk:
-        delta = ChatDelta(content=self._delta_content(event))
+        delta, finish_reason = ChatDelta(content=self._delta_content(event)), event.finish_reason
+        if self.tool_calls is not None:
+            delta, finish_reason = self._tool_call_delta(index, event)
         return self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(event),
-                                            finish_reason=event.finish_reason, stop_reason=event.stop_reason)])
+                                            finish_reason=finish_reason, stop_reason=event.stop_reason)])
+
+    def _tool_call_delta(self, index: int, event: GenerationEvent) -> tuple[ChatDelta, str | None]:
+        """A forced call's stream (vLLM's shape): a named call opens with its id and name and
+        streams its arguments as they come; a "required" list is sent whole with its last event,
+        once it can be parsed (each call's arguments come from its own object in the list)."""
+        mode = self.tool_calls
+        assert mode is not None
+        if mode.named is not None:
+            if index in self._opened_calls:
+                calls = [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=event.text))] if event.text else None
+            else:
+                self._opened_calls.add(index)
+                calls = [DeltaToolCall(index=0, id=mode.call_id(), type="function",
+                                       function=DeltaFunctionCall(name=mode.named, arguments=event.text))]
+            return ChatDelta(tool_calls=calls), event.finish_reason
+        self._call_text.setdefault(index, []).append(event.text)
+        if event.finish_reason is None:
+            return ChatDelta(), None
+        text = "".join(self._call_text.pop(index))
+        whole = mode.calls(text)
+        if whole is None:  # cut short: the text as it came, with its finish reason
+            return ChatDelta(content=text), event.finish_reason
+        calls = [DeltaToolCall(index=i, id=call.id, type="function",
+                               function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+                 for i, call in enumerate(whole)]
+        return ChatDelta(tool_calls=calls), "tool_calls" if event.finish_reason == "stop" else event.finish_reason
 
     def usage_chunk(self, total: Usage) -> ChatCompletionChunk:
         return self._chunk([], total)
+
+    def _message(self, out: ChoiceOutput) -> tuple[AssistantMessage, str | None]:
+        """A choice's message and finish reason: its text, or (forced) its tool calls, with no
+        content (OpenAI's) and, for "required", finish_reason tool_calls (vLLM's; a named call
+        keeps stop, as OpenAI's does)."""
+        calls = self.tool_calls.calls(out.text) if self.tool_calls is not None else None
+        if calls is None:
+            return AssistantMessage(content=out.text), out.finish_reason
+        named = self.tool_calls is not None and self.tool_calls.named is not None
+        finish = out.finish_reason if named or out.finish_reason != "stop" else "tool_calls"
+        return AssistantMessage(content=None, tool_calls=calls), finish
 
     def _chunk(self, choices: list[ChatChunkChoice], total: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                    system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, usage=total)
 
     def response(self, outputs: list[ChoiceOutput], num_prompt_tokens: int) -> ChatCompletion:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=out.text),
-                              logprobs=self._logprobs(out.as_event()), finish_reason=out.finish_reason,
-                              stop_reason=out.stop_reason)
-                   for i, out in enumerate(outputs)]
+        choices = [ChatChoice(index=i, message=message, logprobs=self._logprobs(out.as_event()),
+                              finish_reason=finish_reason, stop_reason=out.stop_reason)
+                   for i, out in enumerate(outputs) for message, finish_reason in [self._message(out)]]
         prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None)
         return ChatCompletion(id=self.id, created=self.created, model=self.model,
                               system_fingerprint=SYSTEM_FINGERPRINT, choices=choices,

@@ -431,6 +431,60 @@ def test_response_format_json_schema_gives_valid_json(client: openai.OpenAI, mod
     assert chat_texts(chunks)[0] == full.choices[0].message.content
 
 
+# Bounded arguments and no extra properties, so even the tiny random model must finish each call.
+PICK = {"type": "function", "function": {"name": "pick", "description": "pick a digit", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"], "additionalProperties": False}}}
+FLAG = {"type": "function", "function": {"name": "flag", "parameters": {
+    "type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"], "additionalProperties": False}}}
+
+
+def test_a_named_tool_choice_calls_that_function_with_valid_arguments(client: openai.OpenAI, model: str) -> None:
+    full, chunks = chat(client, model, max_tokens=40, temperature=0, tools=[PICK, FLAG],
+                        tool_choice={"type": "function", "function": {"name": "pick"}})
+    message = full.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "pick" and call.id
+    assert 0 <= json.loads(call.function.arguments)["a"] <= 9
+    assert full.choices[0].finish_reason == "stop"  # OpenAI's for a forced named call
+    # Streamed as vLLM streams it: the call opens with its id and name, its arguments follow as they come.
+    pieces = [tc for c in chunks for choice in c.choices for tc in (choice.delta.tool_calls or [])]
+    assert pieces[0].id and pieces[0].function.name == "pick" and all(p.index == 0 for p in pieces)
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+    assert not any(choice.delta.content for c in chunks for choice in c.choices)
+
+
+def test_required_tool_choice_returns_calls_of_the_tools(client: openai.OpenAI, model: str) -> None:
+    full, chunks = chat(client, model, max_tokens=60, temperature=0, tools=[PICK, FLAG], tool_choice="required")
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls and all(c.function.name in ("pick", "flag") for c in choice.message.tool_calls)
+    for call in choice.message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        assert set(arguments) == ({"a"} if call.function.name == "pick" else {"b"})
+    # Streamed whole with the last event, once the list parses.
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][-1].choices[0]
+    assert last.finish_reason == "tool_calls"
+    assert [(t.index, t.function.name, t.function.arguments) for t in last.delta.tool_calls] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(choice.message.tool_calls)]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [PICK]}, "tool_choice"),  # "auto", the default with tools: no tool-call parser here
+    ({"tools": [PICK], "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [PICK], "tool_choice": {"type": "function", "function": {"name": "flag"}}}, "tool_choice"),
+    ({"tools": [PICK], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}], "tool_choice": "required"}, "tools"),
+])
+def test_tool_choices_it_cannot_serve_are_refused(client: openai.OpenAI, model: str, body: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=HELLO, max_tokens=3, extra_body=body)
+    assert refused.value.status_code == 400 and refused.value.body["param"].startswith(param)
+
+
 def test_response_format_json_object_constrains_the_output(client: openai.OpenAI, model: str) -> None:
     # Free-form objects may outrun max_tokens on a random model: the text must still be JSON so far.
     full, _ = chat(client, model, max_tokens=40, temperature=0, extra_body={"response_format": {"type": "json_object"}})

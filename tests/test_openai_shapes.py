@@ -27,13 +27,16 @@ from gateway.responses import ChatResponder, ChoiceOutput, CompletionResponder, 
 from tests.test_gateway_responses import ByteSpeller
 
 # Fields of the SDK's types that OpenAI's API itself leaves out for the requests we serve (no
-# tools, audio, moderation, service tiers, token details); everything else must be present.
+# automatic tool calls, audio, moderation, service tiers, token details); everything else must be present.
 _MAY_BE_ABSENT: dict[type[BaseModel], set[str]] = {
     oai_chat.ChatCompletion: {"metadata", "moderation", "service_tier"},
     oai_chat.ChatCompletionMessage: {"annotations", "audio", "function_call", "tool_calls"},
     oai_chat.ChatCompletionChunk: {"moderation", "obfuscation", "service_tier", "usage"},
     # Deltas carry only what changed: role and content on the first, content after, {} at the end.
     oai_chunk.ChoiceDelta: {"audio", "content", "function_call", "refusal", "role", "tool_calls"},
+    # A streamed tool call names itself once: its later pieces carry only arguments text.
+    oai_chunk.ChoiceDeltaToolCall: {"id", "type"},
+    oai_chunk.ChoiceDeltaToolCallFunction: {"name", "arguments"},
     oai.CompletionUsage: {"completion_tokens_details", "prompt_tokens_details"},
     # Of the prompt token details only cached_tokens (and audio_tokens, 0) apply to text models.
     oai_usage.PromptTokensDetails: set(oai_usage.PromptTokensDetails.model_fields) - {"cached_tokens", "audio_tokens"},
