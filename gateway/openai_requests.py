@@ -272,6 +272,36 @@ class ToolDefinition(_Lenient):
     type: Literal["function"]
     function: FunctionDefinition
 
+    @model_validator(mode="after")
+    def _arguments_are_an_object(self) -> ToolDefinition:
+        # A call's arguments are a JSON object (OpenAI's "parameters": a JSON Schema object).
+        kind = (self.function.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise ParamError("tools", f"function {self.function.name!r}: parameters must describe an object, "
+                                      f"not type {kind!r}")
+        return self
+
+
+def template_tools_of(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
+    """Tools as chat templates get them: every field, unset ones null (vLLM's), so a template that
+    reads `parameters` or `description` finds the key."""
+    return [t.model_dump() for t in tools] if tools else None
+
+
+def hoist_schema_defs(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each schema without its `$defs`, and all of them merged: a `#/$defs/...` pointer resolves
+    from the root, so schemas nested in one (the "required" call list) need their definitions
+    there (vLLM's get_tool_schema_defs). A name defined twice differently is refused."""
+    merged: dict[str, Any] = {}
+    stripped = []
+    for schema in schemas:
+        for name, definition in (schema.get("$defs") or {}).items():
+            if name in merged and merged[name] != definition:
+                raise ParamError("tools", f"tools define $defs {name!r} twice, differently")
+            merged[name] = definition
+        stripped.append({k: v for k, v in schema.items() if k != "$defs"})
+    return stripped, merged
+
 
 class NamedFunction(_Lenient):
     name: str
@@ -289,6 +319,8 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # False: at most one call ("required" decodes a list of one).
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:
@@ -313,6 +345,10 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
                                                                  "guided_grammar", "regex", "ebnf")):
                 raise ParamError("tool_choice", "a forced tool call is an output constraint of its own; "
                                                 "not with response_format or guided_* fields")
+            if self.use_beam_search:
+                raise ParamError("tool_choice", "a forced tool call is structured output, which beam search "
+                                                "cannot apply")
+            self.tool_call_schema()  # refuses tools whose $defs clash, here rather than mid-request
         return self
 
     def forces_tool_call(self) -> bool:
@@ -333,17 +369,21 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
             return named.function.parameters or {"type": "object"}
         if self.tool_choice != "required":
             return None
+        parameters, defs = hoist_schema_defs([t.function.parameters or {"type": "object"} for t in self.tools or ()])
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                   "parameters": t.function.parameters or {"type": "object"}},
-                  "required": ["name", "parameters"]} for t in self.tools or ()]
-        return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+                                                   "parameters": schema},
+                  "required": ["name", "parameters"]} for t, schema in zip(self.tools or (), parameters, strict=True)]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel_tool_calls:
+            schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
+        return schema
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template gets them (for templates that describe them to the
         model); none with tool_choice "none", which leaves them out of the prompt."""
-        if not self.tools or self.tool_choice == "none":
-            return None
-        return [t.model_dump(exclude_none=True) for t in self.tools]
+        return None if self.tool_choice == "none" else template_tools_of(self.tools)
 
     def completion_token_limit(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens when both are sent.
@@ -398,6 +438,8 @@ class TokenizeRequest(_ChatTemplateFields, _TopLevel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # With messages: the tools the chat template shows, so the count is the chat prompt's (vLLM's).
+    tools: list[ToolDefinition] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
 

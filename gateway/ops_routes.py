@@ -16,7 +16,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.errors import APIError, workers_unavailable
 from gateway.metrics import GatewayMetrics
-from gateway.openai_requests import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from gateway.openai_requests import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    template_tools_of,
+)
 from gateway.pipeline import Pipeline
 from gateway.prompt_tokenizer import PromptTokenizer
 from gateway.request_mapping import chat_messages_of, check_token_ids
@@ -93,7 +99,8 @@ def ops_router(error_responses: dict[int | str, dict[str, Any]]) -> APIRouter:
         tokenizer = tokenizer_of(pipeline)
         if body.messages is not None:
             ids = await tokenizer.encode_chat_async(chat_messages_of(body.messages), body.add_generation_prompt,
-                                                    body.continue_final_message, body.chat_template_kwargs)
+                                                    body.continue_final_message, body.chat_template_kwargs,
+                                                    template_tools_of(body.tools))
         else:
             assert body.prompt is not None, "validated: exactly one of prompt and messages"
             ids = await tokenizer.encode_text_async(body.prompt, add_special_tokens=body.add_special_tokens)

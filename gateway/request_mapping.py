@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.errors import context_length_exceeded, invalid_request
 from gateway.openai_requests import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -149,11 +150,25 @@ def chat_messages_of(chat: Sequence[ChatMessage]) -> list[dict[str, object]]:
         if m.name is not None:
             message["name"] = m.name
         if m.tool_calls:
-            message["tool_calls"] = m.tool_calls
+            message["tool_calls"] = [_call_for_template(call) for call in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         messages.append(message)
     return messages
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """A replayed assistant tool call with its arguments as an object: the API sends them as JSON
+    text, templates (Qwen2.5's, Hermes', Llama's) render them as a dict (vLLM parses them too)."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    text = function["arguments"]
+    try:
+        arguments = json.loads(text) if text.strip() else {}
+    except ValueError as exc:
+        raise invalid_request(f"a tool call's arguments are not JSON: {exc}", param="messages") from exc
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:

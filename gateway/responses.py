@@ -186,14 +186,17 @@ class _Responder:
         raise NotImplementedError
 
     def stream_chunk_json(self, index: int, event: GenerationEvent, total: UsageCounts | None = None,
-                          with_usage: bool = True) -> str:
+                          with_usage: bool = True) -> str | None:
         """One stream chunk's JSON, with `usage` (total, or null) when with_usage. The common
         chunk (text only: no logprobs, no echo still to show) is joined from cached parts,
         where building and dumping the pydantic models costs 4-9 us a token (measured); the
-        others go through the models. tests/test_gateway_responses.py holds both to the same JSON."""
+        others go through the models. tests/test_gateway_responses.py holds both to the same JSON.
+        None: this event makes no chunk (a "required" tool call list still being generated)."""
         choice = self._plain_choice_json(index, event)
         if choice is None:
             chunk = self.chunk(index, event)
+            if chunk is None:
+                return None
             chunk.usage = total.model() if total is not None else None
             return chunk.model_dump_json(exclude=None if with_usage else {"usage"})
         usage_json = "" if not with_usage else ',"usage":' + (total.json() if total is not None else "null")
@@ -303,14 +306,17 @@ class ChatResponder(_Responder):
         return (f'{{"index":{index},"delta":{delta},"logprobs":null,'
                 f'"finish_reason":{_json_text(event.finish_reason)},"stop_reason":{_json_text(event.stop_reason)}}}')
 
-    def chunk(self, index: int, event: GenerationEvent) -> ChatCompletionChunk:
+    def chunk(self, index: int, event: GenerationEvent) -> ChatCompletionChunk | None:
         delta, finish_reason = ChatDelta(content=self._delta_content(event)), event.finish_reason
         if self.tool_calls is not None:
             delta, finish_reason = self._tool_call_delta(index, event)
+            if delta is None and not self.logprobs:
+                return None  # nothing to say yet (vLLM sends no chunk either)
+            delta = delta or ChatDelta()
         return self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(event),
                                             finish_reason=finish_reason, stop_reason=event.stop_reason)])
 
-    def _tool_call_delta(self, index: int, event: GenerationEvent) -> tuple[ChatDelta, str | None]:
+    def _tool_call_delta(self, index: int, event: GenerationEvent) -> tuple[ChatDelta | None, str | None]:
         """A forced call's stream (vLLM's shape): a named call opens with its id and name and
         streams its arguments as they come; a "required" list is sent whole with its last event,
         once it can be parsed (each call's arguments come from its own object in the list)."""
@@ -326,7 +332,7 @@ class ChatResponder(_Responder):
             return ChatDelta(tool_calls=calls), event.finish_reason
         self._call_text.setdefault(index, []).append(event.text)
         if event.finish_reason is None:
-            return ChatDelta(), None
+            return None, None
         text = "".join(self._call_text.pop(index))
         whole = mode.calls(text)
         if whole is None:  # cut short: the text as it came, with its finish reason
@@ -493,20 +499,25 @@ async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, r
     def totals() -> UsageCounts:
         return UsageCounts(num_prompt_tokens, sum(num_output_tokens), responder.num_cached_prompt_tokens(num_cached))
 
-    async def event_chunk(index: int, event: GenerationEvent) -> str:
+    async def event_chunk(index: int, event: GenerationEvent) -> str | None:
         num_output_tokens[index] = event.num_output_tokens
         num_cached[index] = event.num_cached_prompt_tokens
         await responder.prepare(index, event)
-        return sse_data(responder.stream_chunk_json(index, event, totals() if continuous_usage else None, with_usage))
+        chunk = responder.stream_chunk_json(index, event, totals() if continuous_usage else None, with_usage)
+        return None if chunk is None else sse_data(chunk)
 
     try:
         for chunk in responder.first_chunks(num_choices):
             if continuous_usage:  # the role chunks too, as vLLM's: the prompt, nothing generated yet
                 chunk.usage = totals().model()
             yield sse_event(chunk, with_usage)
-        yield await event_chunk(*first)
+        chunk = await event_chunk(*first)
+        if chunk is not None:
+            yield chunk
         async for index, event in events:
-            yield await event_chunk(index, event)
+            chunk = await event_chunk(index, event)
+            if chunk is not None:
+                yield chunk
         if with_usage:
             yield sse_event(responder.usage_chunk(totals().model()))
     except APIError as exc:
