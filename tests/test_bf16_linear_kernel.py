@@ -8,9 +8,6 @@ tests instead of skipping them.
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,8 +23,7 @@ from model_worker.models.linear import (
     pack_row_blocks,
 )
 
-CAN_BUILD = ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= kernels.cpu_flags()
-             and shutil.which(os.environ.get("CXX", "c++")) is not None)
+CAN_BUILD = kernels.can_build({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 module = kernels.bf16_linear_module()
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no AVX512-BF16 CPU or no C++ compiler here")
 # Rows across the 4-row groups' tails, a group's full count, the switch from streaming block by block

@@ -7,9 +7,6 @@ that fails to build fails these tests instead of skipping them.
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,8 +21,7 @@ from model_worker.models.linear import (
     quantize_int8_per_channel,
 )
 
-CAN_BUILD = ({"avx512f", "avx512bw", "avx512_vnni"} <= kernels.cpu_flags()
-             and shutil.which(os.environ.get("CXX", "c++")) is not None)
+CAN_BUILD = kernels.can_build({"avx512f", "avx512bw", "avx512_vnni"})
 module = kernels.int8_linear_module()
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no AVX512-VNNI CPU or no C++ compiler here")
 

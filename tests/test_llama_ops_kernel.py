@@ -9,9 +9,6 @@ to build fails these tests instead of skipping them.
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
@@ -21,8 +18,7 @@ from model_worker.model_runner import ModelRunner
 from model_worker.models import llama
 from tests.tiny_hf_models import PROMPTS, engine_greedy
 
-CAN_BUILD = ({"avx512f", "avx512_bf16"} <= kernels.cpu_flags()
-             and shutil.which(os.environ.get("CXX", "c++")) is not None)
+CAN_BUILD = kernels.can_build({"avx512f", "avx512_bf16"})
 module = kernels.llama_ops_module()
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no AVX512-BF16 CPU or no C++ compiler here")
 EPS = 1e-5

@@ -7,9 +7,7 @@ that fails to build fails these tests instead of skipping them.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 
 import pytest
 import torch
@@ -20,8 +18,7 @@ from model_worker.kv_cache import PagedKVCache
 from model_worker.models.attention import paged_attention
 
 CPU = torch.device("cpu")
-CAN_BUILD = ({"avx512f", "avx512_bf16"} <= kernels.cpu_flags()
-             and shutil.which(os.environ.get("CXX", "c++")) is not None)
+CAN_BUILD = kernels.can_build({"avx512f", "avx512_bf16"})
 module = kernels.paged_decode_attention_module()
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no AVX512-BF16 CPU or no C++ compiler here")
 

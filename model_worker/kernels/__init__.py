@@ -72,6 +72,12 @@ def build_name(source: Path) -> str:
     return f"tokenwire_{source.stem}_{digest.hexdigest()[:12]}"
 
 
+def can_build(required_flags: set[str]) -> bool:
+    """Whether a kernel written for these CPU flags can be built here: the CPU has them and a C++
+    compiler is on PATH (what _build checks before it tries; the tests skip on the same)."""
+    return required_flags <= cpu_flags() and shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 def _build(source: Path, required_flags: set[str], build_root: Path) -> ModuleType | None:
     if not source.is_file():  # an install that left the sources out
         logger.warning("%s is missing; using torch ops", source)
