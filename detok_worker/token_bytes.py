@@ -16,7 +16,7 @@ import tiktoken
 from tokenizers import Tokenizer
 
 from tokenwire.byte_level import is_byte_level, token_piece_bytes, unicode_to_bytes
-from tokenwire.tokenizer_files import load_tokenizer
+from tokenwire.tokenizer_files import id_span, load_tokenizer
 from tokenwire.v1 import common_pb2
 
 # decode_bytes never runs the pattern (we only decode), but tiktoken compiles one.
@@ -94,10 +94,8 @@ def build_token_bytes(tokenizer: Tokenizer, skip_special_tokens: bool, use_tikto
     """The byte table for a byte-level tokenizer (see is_byte_level), added tokens included."""
     char_to_byte = unicode_to_bytes()
     special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    size = max(vocab.values(), default=-1) + 1
     pieces: list[bytes | None] = []
-    for token_id in range(size):
+    for token_id in range(id_span(tokenizer)):
         token = tokenizer.id_to_token(token_id)
         if token is None:
             pieces.append(None)
@@ -145,7 +143,7 @@ class TokenizerDecoding:
         self.tokenizer = tokenizer
         # One past the largest id, as build_token_bytes and the model worker's num_token_ids count
         # it: get_vocab_size counts tokens, which falls short of the ids above a gap in the range.
-        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        self.vocab_size = id_span(tokenizer)
         self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         if is_byte_level(tokenizer):
             self.token_bytes = {skip: build_token_bytes(tokenizer, skip, use_tiktoken) for skip in (False, True)}

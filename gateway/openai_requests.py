@@ -197,10 +197,7 @@ class _GenerationRequest(_TopLevel):
             raise ParamError("best_of", f"best_of ({self.best_of}) must be >= n ({self.n})")
         if self.guided_choice is not None and not self.guided_choice:
             raise ParamError("guided_choice", "guided_choice must list at least one choice")
-        constraints = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                         "regex", "ebnf") if getattr(self, name) is not None]
-        if self.response_format is not None and self.response_format.type != "text":
-            constraints.append("response_format")
+        constraints = self.output_constraints()
         if len(constraints) > 1:
             raise ValueError(f"only one output constraint at a time, got {', '.join(constraints)}")
         if self.stream_options is not None and not self.stream:
@@ -211,6 +208,14 @@ class _GenerationRequest(_TopLevel):
         if limit is not None and self.min_tokens > limit:
             raise ParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({limit})")
         return self
+
+    def output_constraints(self) -> list[str]:
+        """The fields that constrain the output's form (structured output) this request sets."""
+        constraints = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                         "regex", "ebnf") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            constraints.append("response_format")
+        return constraints
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -340,9 +345,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
             if isinstance(self.tool_choice, NamedToolChoice) and self.named_tool() is None:
                 raise ParamError("tool_choice", f"tool_choice names the function {self.tool_choice.function.name!r}, "
                                                 "which is not among the tools")
-            if self.response_format is not None and self.response_format.type != "text" or any(
-                    getattr(self, name) is not None for name in ("guided_json", "guided_regex", "guided_choice",
-                                                                 "guided_grammar", "regex", "ebnf")):
+            if self.output_constraints():
                 raise ParamError("tool_choice", "a forced tool call is an output constraint of its own; "
                                                 "not with response_format or guided_* fields")
             if self.use_beam_search:

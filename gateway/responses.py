@@ -349,11 +349,11 @@ class ChatResponder(_Responder):
         """A choice's message and finish reason: its text, or (forced) its tool calls, with no
         content (OpenAI's) and, for "required", finish_reason tool_calls (vLLM's; a named call
         keeps stop, as OpenAI's does)."""
-        calls = self.tool_calls.calls(out.text) if self.tool_calls is not None else None
-        if calls is None:
+        mode = self.tool_calls
+        calls = mode.calls(out.text) if mode is not None else None
+        if mode is None or calls is None:
             return AssistantMessage(content=out.text), out.finish_reason
-        named = self.tool_calls is not None and self.tool_calls.named is not None
-        finish = out.finish_reason if named or out.finish_reason != "stop" else "tool_calls"
+        finish = out.finish_reason if mode.named is not None or out.finish_reason != "stop" else "tool_calls"
         return AssistantMessage(content=None, tool_calls=calls), finish
 
     def _chunk(self, choices: list[ChatChunkChoice], total: Usage | None = None) -> ChatCompletionChunk:

@@ -16,7 +16,7 @@ from model_worker.config import Config
 from model_worker.engine import LLMEngine, default_eos_ids
 from model_worker.engine_loop import EngineLoop, new_engine_thread
 from model_worker.host_memory import keep_freed_memory_in_heap
-from model_worker.kernels import cpu_flags
+from model_worker.kernels import GGUF_LINEAR_FLAGS, cpu_flags
 from model_worker.model_files import gguf_weight_types, model_id_for, resolve_model_dir
 from model_worker.model_runner import ModelRunner, model_shape, resolve_device, resolve_dtype
 from model_worker.models.linear import GGUF_FORMAT_MAX_TOKENS, Linear
@@ -74,7 +74,7 @@ def gguf_small_steps(config: Config, model_dir: Path, hf_config: dict, device: t
             device.type != "cpu" or dtype != torch.bfloat16 or config.int8_small_batch or config.bf16_small_batch
             or config.batch_invariant or not config.cpu_decode_kernel
             or not isinstance(model_shape(hf_config), LlamaShape)
-            or not {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags()):
+            or not GGUF_LINEAR_FLAGS <= cpu_flags()):
         return False, False
     layer_types, head_type = gguf_weight_types(model_dir)
     if config.int4_small_batch == "auto":

@@ -8,6 +8,7 @@ later load reads that copy (< 1 s).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -108,11 +109,12 @@ def model_id_for(model: str, model_dir: Path) -> str:
 _GGUF_MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def gguf_weight_types(model_dir: Path) -> tuple[set[str], str]:
+@functools.cache
+def gguf_weight_types(model_dir: Path) -> tuple[frozenset[str], str]:
     """The quantization types in the GGUF file model_dir was converted from: the decoder layers'
     matmul weights' (e.g. {"Q4_1"}) and the lm_head's (output.weight, else the tied token_embd:
     e.g. "Q8_0"); empty for a model not from a GGUF, or whose file is gone or unreadable (a
-    cached conversion outlives its source)."""
+    cached conversion outlives its source). Read once per process: start-up asks twice."""
     try:
         source = Path(json.loads((model_dir / "tokenwire_source.json").read_text())["gguf"])
         from gguf import GGUFReader
@@ -121,13 +123,13 @@ def gguf_weight_types(model_dir: Path) -> tuple[set[str], str]:
     except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
         if (model_dir / "tokenwire_source.json").exists():
             logger.warning("could not read the quantization types of %s's GGUF: %s", model_dir, exc)
-        return set(), ""
+        return frozenset(), ""
     return split_gguf_weight_types(types)
 
 
-def split_gguf_weight_types(types: dict[str, str]) -> tuple[set[str], str]:
+def split_gguf_weight_types(types: dict[str, str]) -> tuple[frozenset[str], str]:
     """gguf_weight_types from {tensor name: type}. Only the matmuls' weights count: llama.cpp
     keeps biases (Qwen2's q, k and v) and norms in F32 whatever the file's quantization."""
-    layers = {kind for name, kind in types.items()
-              if name.startswith("blk.") and name.endswith(".weight") and name.split(".")[-2] in _GGUF_MATMULS}
+    layers = frozenset(kind for name, kind in types.items()
+                       if name.startswith("blk.") and name.endswith(".weight") and name.split(".")[-2] in _GGUF_MATMULS)
     return layers, types.get("output.weight", types.get("token_embd.weight", ""))

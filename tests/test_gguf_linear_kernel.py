@@ -23,13 +23,15 @@ from model_worker.models.linear import (
     GGUF_FORMAT_MAX_TOKENS,
     GGUF_KERNEL_MAX_TOKENS,
     Linear,
+    dequantize_q4_1,
+    dequantize_q8_0,
     pack_q4_1_blocks,
     pack_q8_0_blocks,
     quantize_q4_1,
     quantize_q8_0,
 )
 
-CAN_BUILD = kernels.can_build({"avx512f", "avx512bw", "avx512_vnni"})
+CAN_BUILD = kernels.can_build(set(kernels.GGUF_LINEAR_FLAGS))
 module = kernels.gguf_linear_module()
 needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no AVX512-VNNI CPU or no C++ compiler here")
 
@@ -49,23 +51,16 @@ def _q4_1(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     return q.reshape(n, k), d, m
 
 
-def _dequantized(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """float32 d * q + m, as transformers dequantizes a Q4_1 tensor."""
-    n, k = q.shape
-    groups = q.float().view(n, k // 32, 32) * d.float()[..., None] + m.float()[..., None]
-    return groups.view(n, k)
-
-
 def test_quantizing_dequantized_q4_1_gives_back_its_q_d_and_m():
     q, d, m = _q4_1(40, 96, seed=1)
-    got_q, got_d, got_m = quantize_q4_1(_dequantized(q, d, m))
+    got_q, got_d, got_m = quantize_q4_1(dequantize_q4_1(q, d, m))
     assert torch.equal(got_q, q) and torch.equal(got_d, d) and torch.equal(got_m, m)
     # Any weight comes within half a step of its group; an all-equal group is m exactly (d = 0).
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
     w[3, :32] = 0.25
     q, d, m = quantize_q4_1(w)
-    assert ((_dequantized(q, d, m) - w).abs() <= d.float().repeat_interleave(32, 1) * 0.5 + 1e-3).all()
-    assert d[3, 0] == 0 and torch.equal(_dequantized(q, d, m)[3, :32], w[3, :32])
+    assert ((dequantize_q4_1(q, d, m) - w).abs() <= d.float().repeat_interleave(32, 1) * 0.5 + 1e-3).all()
+    assert d[3, 0] == 0 and torch.equal(dequantize_q4_1(q, d, m)[3, :32], w[3, :32])
     with pytest.raises(ValueError, match="float16"):
         quantize_q4_1(torch.full((4, 32), 1e6))
 
@@ -107,7 +102,7 @@ def test_packing_puts_each_block_of_four_rows_and_its_scales_in_one_stream():
 
 
 def _exact(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return x.double() @ _dequantized(q, d, m).double().t()
+    return x.double() @ dequantize_q4_1(q, d, m).double().t()
 
 
 def _bound(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
@@ -115,7 +110,7 @@ def _bound(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, e
     max|x| / 127 per element, times the weight."""
     n, k = q.shape
     steps = x.double().abs().view(x.shape[0], k // 32, 32).amax(2) / 127  # [M, G]
-    weights = _dequantized(q, d, m).double().abs().view(n, k // 32, 32).sum(2)  # [N, G]
+    weights = dequantize_q4_1(q, d, m).double().abs().view(n, k // 32, 32).sum(2)  # [N, G]
     return exact.abs() / 200 + 0.5 * steps @ weights.t() + 1e-6
 
 
@@ -250,14 +245,9 @@ def _q8_0(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, k), d
 
 
-def _q8_0_dequantized(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    n, k = q.shape
-    return (q.float().view(n, k // 32, 32) * d.float()[..., None]).view(n, k)
-
-
 def test_quantizing_dequantized_q8_0_gives_back_its_q_and_d():
     q, d = _q8_0(40, 96, seed=11)
-    got_q, got_d = quantize_q8_0(_q8_0_dequantized(q, d))
+    got_q, got_d = quantize_q8_0(dequantize_q8_0(q, d))
     assert torch.equal(got_q, q) and torch.equal(got_d, d)
     zeros_q, zeros_d = quantize_q8_0(torch.zeros(4, 32))
     assert not zeros_q.any() and not zeros_d.any()
@@ -298,7 +288,7 @@ def test_q8_0_matches_the_dequantized_matmul(n, k, rows):
     q, d = _q8_0(n, k, seed=n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
     got = module.q8_0_linear(x, pack_q8_0_blocks(q, d), n).double()
-    weight = _q8_0_dequantized(q, d).double()
+    weight = dequantize_q8_0(q, d).double()
     exact = x.double() @ weight.t()
     steps = x.double().abs().view(rows, k // 32, 32).amax(2) / 127
     bound = exact.abs() / 200 + 0.5 * steps @ weight.abs().view(n, k // 32, 32).sum(2).t() + 1e-6
@@ -371,11 +361,11 @@ def test_a_copy_that_rounds_its_source_again_is_known_and_said(tiny_model_dir, s
     from model_worker.__main__ import warn_if_gguf_blocks_rounded
 
     q, d, m = _q4_1(8, 64, seed=16)
-    exact = Linear(_dequantized(q, d, m).bfloat16(), gguf_kernel=module, gguf_source=_dequantized(q, d, m))
+    exact = Linear(dequantize_q4_1(q, d, m).bfloat16(), gguf_kernel=module, gguf_source=dequantize_q4_1(q, d, m))
     assert exact.gguf_exact
     # An importance-matrix Q4_1 group: q within 1..14, so its minimum is not m nor its maximum m + 15 d.
     q[:, :32] = q[:, :32].clamp(1, 14)
-    imatrix = Linear(_dequantized(q, d, m).bfloat16(), gguf_kernel=module, gguf_source=_dequantized(q, d, m))
+    imatrix = Linear(dequantize_q4_1(q, d, m).bfloat16(), gguf_kernel=module, gguf_source=dequantize_q4_1(q, d, m))
     assert not imatrix.gguf_exact
     runner = ModelRunner(tiny_model_dir, "dummy", torch.device("cpu"), torch.bfloat16, 2, 64, kv_cache_tokens=128,
                          int4_small_batch=True)  # random weights: no layer is exactly Q4_1

@@ -29,14 +29,16 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def id_span(tokenizer: Tokenizer) -> int:
+    """One past the largest id the tokenizer has (its added tokens included): not its token
+    count, which falls short where the ids have a gap."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
 def num_token_ids(tokenizer_dir: str | Path) -> int:
-    """One past the largest id the tokenizer in tokenizer_dir has (its added tokens included);
-    0 where it has no tokenizer.json."""
+    """id_span of the tokenizer in tokenizer_dir; 0 where it has no tokenizer.json."""
     path = Path(tokenizer_dir) / TOKENIZER_JSON
-    if not path.is_file():
-        return 0
-    vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
-    return max(vocab.values(), default=-1) + 1
+    return id_span(Tokenizer.from_file(str(path))) if path.is_file() else 0
 
 
 def tokenizer_identity(tokenizer_dir: str | Path) -> common_pb2.TokenizerIdentity:

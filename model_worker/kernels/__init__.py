@@ -32,6 +32,8 @@ BF16_LINEAR_SOURCE = Path(__file__).with_name("bf16_linear.cpp")
 LLAMA_OPS_SOURCE = Path(__file__).with_name("llama_ops.cpp")
 SAMPLING_OPS_SOURCE = Path(__file__).with_name("sampling_ops.cpp")
 DEFAULT_BUILD_ROOT = DEFAULT_CACHE_DIR / "kernels"  # the model worker's default --cache-dir
+# The CPU flags gguf_linear.cpp is written for (--int4-small-batch auto looks for them too).
+GGUF_LINEAR_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
 
 
 def cpu_flags() -> set[str]:
@@ -146,8 +148,7 @@ def int8_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | No
 @functools.cache
 def gguf_linear_module(build_root: Path = DEFAULT_BUILD_ROOT) -> ModuleType | None:
     """The AVX512-VNNI matmuls on GGUF's Q4_1 and Q8_0 blocks for small steps (gguf_linear.cpp), or None."""
-    return _vectorized_module(GGUF_LINEAR_SOURCE, {"avx512f", "avx512bw", "avx512_vnni"}, build_root,
-                              "AVX512-BW/VNNI")
+    return _vectorized_module(GGUF_LINEAR_SOURCE, set(GGUF_LINEAR_FLAGS), build_root, "AVX512-BW/VNNI")
 
 
 @functools.cache

@@ -104,14 +104,36 @@ def pack_row_blocks(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, PACK_BLOCK_ROWS, cols, PACK_BLOCK_COLS).permute(0, 2, 1, 3).contiguous()
 
 
+def _column_groups(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> float32 [N, K/32, 32]: each row's groups of GGUF_GROUP_COLS columns."""
+    n, k = weight.shape
+    return weight.float().reshape(n, k // GGUF_GROUP_COLS, GGUF_GROUP_COLS)
+
+
+def _by_block_and_group(values: torch.Tensor) -> torch.Tensor:
+    """Per-group values [N, K/32] (N a multiple of 4) -> uint8 [N/4, K/32, 4 * itemsize]: each group's
+    4 rows of a block side by side, as the packed layouts hold scales (and Q8_0's sums)."""
+    blocks = values.shape[0] // PACK_BLOCK_ROWS
+    return values.view(blocks, PACK_BLOCK_ROWS, -1).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+
+def _row_blocks(q: torch.Tensor, *per_group: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Quantized values [N, K] and per-group tensors [N, K/32], rows zero-padded to a multiple of 4
+    -> (q as [N/4, K/32, 4, 32], each per-group tensor by block and group)."""
+    rows = -q.shape[0] % PACK_BLOCK_ROWS
+    q = F.pad(q, (0, 0, 0, rows))
+    blocks, groups = q.shape[0] // PACK_BLOCK_ROWS, q.shape[1] // GGUF_GROUP_COLS
+    grouped = q.view(blocks, PACK_BLOCK_ROWS, groups, GGUF_GROUP_COLS).permute(0, 2, 1, 3)
+    return grouped, [_by_block_and_group(F.pad(t, (0, 0, 0, rows))) for t in per_group]
+
+
 def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K] (K a multiple of 32) -> (q uint8 [N, K] in 0..15, d, m float16 [N, K/32]):
     weight ~= d * q + m per group of 32 columns of a row, GGUF's Q4_1 (asymmetric: m the group's
     minimum, d its range / 15, both rounded to fp16 before q is found against them). A weight
     that is Q4_1 dequantized to float32 (a GGUF file's, loaded by transformers) gives back the
     file's own q, d and m."""
-    n, k = weight.shape
-    groups = weight.float().reshape(n, k // GGUF_GROUP_COLS, GGUF_GROUP_COLS)
+    groups = _column_groups(weight)
     low, high = groups.amin(dim=2), groups.amax(dim=2)
     m = low.to(torch.float16)
     d = ((high - low) / 15).to(torch.float16)
@@ -120,7 +142,7 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     # An all-equal group has d == 0: every q is 0 and the group is exactly m.
     step = torch.where(d > 0, d.float(), torch.ones_like(low))
     q = torch.round((groups - m.float()[..., None]) / step[..., None]).clamp(0, 15).to(torch.uint8)
-    return q.reshape(n, k), d, m
+    return q.reshape(weight.shape), d, m
 
 
 def pack_q4_1_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -128,14 +150,8 @@ def pack_q4_1_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch
     per block of 4 rows and group of 32 columns, row r's 16 nibble bytes at 16r (byte j: column j
     low, column j + 16 high), then the 4 rows' d and the 4 rows' m as float16 (padding rows are
     zeros)."""
-    n, k = q.shape
-    rows = -n % PACK_BLOCK_ROWS
-    q, d, m = F.pad(q, (0, 0, 0, rows)), F.pad(d, (0, 0, 0, rows)), F.pad(m, (0, 0, 0, rows))
-    blocks, groups = q.shape[0] // PACK_BLOCK_ROWS, k // GGUF_GROUP_COLS
-    q = q.view(blocks, PACK_BLOCK_ROWS, groups, GGUF_GROUP_COLS).permute(0, 2, 1, 3)  # [B, G, 4, 32]
-    nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(blocks, groups, 64)
-    scales = [t.view(blocks, PACK_BLOCK_ROWS, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
-              for t in (d, m)]  # each [B, G, 8]: 4 float16s
+    grouped, scales = _row_blocks(q, d, m)  # [B, G, 4, 32]; d and m each [B, G, 8]: 4 float16s
+    nibbles = (grouped[..., :16] | (grouped[..., 16:] << 4)).reshape(*grouped.shape[:2], 64)
     return torch.cat([nibbles, *scales], dim=2).contiguous()
 
 
@@ -144,41 +160,33 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weight ~= d * q per group of 32 columns of a row, GGUF's Q8_0 (d the group's max |w| / 127,
     rounded to fp16 before q is found against it). A Q8_0 weight dequantized to float32 gives back
     the file's own q and d."""
-    n, k = weight.shape
-    groups = weight.float().reshape(n, k // GGUF_GROUP_COLS, GGUF_GROUP_COLS)
+    groups = _column_groups(weight)
     d = (groups.abs().amax(dim=2) / 127).to(torch.float16)
     if not torch.isfinite(d).all():
         raise ValueError("Q8_0 weights: a group's largest value is beyond float16")
     step = torch.where(d > 0, d.float(), torch.ones_like(d, dtype=torch.float32))
     q = torch.round(groups / step[..., None]).clamp(-127, 127).to(torch.int8)
-    return q.reshape(n, k), d
+    return q.reshape(weight.shape), d
 
 
 def pack_q8_0_blocks(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """quantize_q8_0's output -> uint8 [ceil(N/4), K/32, 144], kernels/gguf_linear.cpp's layout: per
     block of 4 rows and group of 32 columns, the 4 rows' 32 int8 each, their d as float16, and each
     row's sum of q as int16 (the kernel's offset correction; padding rows are zeros)."""
-    n, k = q.shape
-    rows = -n % PACK_BLOCK_ROWS
-    q, d = F.pad(q, (0, 0, 0, rows)), F.pad(d, (0, 0, 0, rows))
-    blocks, groups = q.shape[0] // PACK_BLOCK_ROWS, k // GGUF_GROUP_COLS
-    grouped = q.view(blocks, PACK_BLOCK_ROWS, groups, GGUF_GROUP_COLS).permute(0, 2, 1, 3)  # [B, G, 4, 32]
-    sums = grouped.sum(dim=3, dtype=torch.int32).to(torch.int16)  # |sum| <= 32 * 127
-    return torch.cat([grouped.reshape(blocks, groups, 128).view(torch.uint8),
-                      d.view(blocks, PACK_BLOCK_ROWS, groups).permute(0, 2, 1).contiguous().view(torch.uint8),
-                      sums.contiguous().view(torch.uint8)], dim=2).contiguous()
+    sums = _column_groups(q).sum(dim=2).to(torch.int16)  # [N, K/32]; |sum| <= 32 * 127, exact in float32
+    grouped, (scales, sum_bytes) = _row_blocks(q, d, sums)  # [B, G, 4, 32]; [B, G, 8] each
+    return torch.cat([grouped.reshape(*grouped.shape[:2], 128).view(torch.uint8), scales, sum_bytes],
+                     dim=2).contiguous()
 
 
 def dequantize_q4_1(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """float32 d * q + m, as transformers dequantizes a Q4_1 tensor."""
-    n, k = q.shape
-    return (q.float().view(n, k // GGUF_GROUP_COLS, GGUF_GROUP_COLS) * d.float()[..., None]
-            + m.float()[..., None]).view(n, k)
+    return (_column_groups(q) * d.float()[..., None] + m.float()[..., None]).view(q.shape)
 
 
 def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    n, k = q.shape
-    return (q.float().view(n, k // GGUF_GROUP_COLS, GGUF_GROUP_COLS) * d.float()[..., None]).view(n, k)
+    """float32 d * q, as transformers dequantizes a Q8_0 tensor."""
+    return (_column_groups(q) * d.float()[..., None]).view(q.shape)
 
 
 # The GGUF formats a Linear keeps a small-step copy in: (quantize, dequantize, pack, the kernel
