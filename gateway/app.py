@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from gateway.config import Config
-from gateway.errors import install_error_handlers
+from gateway.errors import install_error_handlers, invalid_request
 from gateway.http_middleware import GatewayHTTPMiddleware, access_record
 from gateway.metrics import GatewayMetrics, RequestTimer, metered
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -55,6 +55,7 @@ from gateway.responses import (
     ToolCallMode,
     sse_stream,
 )
+from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -129,14 +130,21 @@ def create_app(config: Config) -> FastAPI:
               responses=_generation_responses(ChatCompletion, ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_request_limits(body, request.app.state.limits)
+        if body.lets_model_choose_tool() and not config.tool_call_parser:
+            raise invalid_request('tool_choice "auto" (the default with tools) needs the gateway started with '
+                                  '--tool-call-parser (the syntax the model writes calls in); send "required", '
+                                  'a named function, or "none"', param="tool_choice")
         pipeline = pipeline_for(request, body.model)
         tokenizer = tokenizer_of(pipeline)
+        tool_calls = ToolCallMode.of(body, config.tool_call_parser)
+        if (tool_calls is not None and tool_calls.parser is not None and "skip_special_tokens" not in body.model_fields_set
+                and tokenizer.special_texts() & TOOL_CALL_PARSERS[tool_calls.parser].tags):
+            body.skip_special_tokens = False  # the tags are special tokens in some vocabularies (vLLM's rule)
         prompt_ids = await tokenizer.encode_chat_async(chat_messages_of(body.messages), body.add_generation_prompt,
                                                        body.continue_final_message, body.chat_template_kwargs,
                                                        body.template_tools())
         params = generation_params(body, tokenizer.encode_words)
         check_params_vocab(params, pipeline.model_info.vocab_size)
-        tool_calls = ToolCallMode.of(body)
         responder = ChatResponder(body.model, renderer_of(pipeline), body.logprobs, body.include_usage,
                                   prompt_ids, tool_calls)
         responder.continuous_usage = body.continuous_usage

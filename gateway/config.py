@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.request_limits import RequestLimits
+from gateway.tool_parsers import TOOL_CALL_PARSERS
 from tokenwire.grpc_tls import client_tls
 from tokenwire.sched_slice import SchedSliceOption
 
@@ -72,6 +73,11 @@ class Config(SchedSliceOption):
     max_token_id_list: int = field(default=8192, metadata={
         "help": "most entries in allowed_token_ids or stop_token_ids"})
 
+    tool_call_parser: str = field(default="", metadata={
+        "help": "the syntax the model writes tool calls in (hermes: Hermes 2 Pro, Qwen2.5, Qwen3); set, "
+                'tool_choice "auto" (the default with tools) is served and the calls are found in the output; '
+                'empty: "auto" is a 400 and only forced calls (required, a named function) are served'})
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.limits = RequestLimits(self.max_body_bytes, self.max_stop_strings, self.max_stop_string_chars,
@@ -97,5 +103,8 @@ class Config(SchedSliceOption):
             raise ValueError("--detok-warmup-timeout-s must be > 0")
         if not self.detok_workers:
             raise ValueError("--detok-workers needs at least one address")
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser: {self.tool_call_parser!r} is not one of "
+                             f"{', '.join(sorted(TOOL_CALL_PARSERS))}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, not {self.port}")

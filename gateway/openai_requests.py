@@ -331,14 +331,10 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     def _check_chat_fields(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs set to true")
-        # Function calling as vLLM does it without a tool-call parser: a forced call ("required",
-        # or a named function) is structured output, the arguments decoded against the tools'
-        # schemas; "none" runs without them. "auto" would need a parser of each model family's
-        # own call syntax, which this server does not have.
-        if self.tools and self.tool_choice in (None, "auto"):
-            raise ParamError("tool_choice", 'tool_choice "auto" (the default with tools) is not supported: it needs a '
-                                            'model-specific tool-call parser; send "required", a named function, or '
-                                            '"none"')
+        # Function calling as vLLM does it: a forced call ("required", or a named function) is
+        # structured output, the arguments decoded against the tools' schemas; "none" runs without
+        # them; "auto" (the default with tools) needs the gateway's --tool-call-parser, which app.py
+        # checks, to find calls in the model's own syntax.
         if self.forces_tool_call():
             if not self.tools:
                 raise ParamError("tool_choice", "tool_choice forces a tool call, but no tools were sent")
@@ -353,6 +349,10 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
                                                 "cannot apply")
             self.tool_call_schema()  # refuses tools whose $defs clash, here rather than mid-request
         return self
+
+    def lets_model_choose_tool(self) -> bool:
+        """tool_choice "auto", sent or the default with tools: the model calls a tool or answers."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def forces_tool_call(self) -> bool:
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)

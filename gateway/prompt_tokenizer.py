@@ -7,6 +7,7 @@ encodes each prompt with it before the pipeline sends the ids to the model worke
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +76,16 @@ class PromptTokenizer:
     def encode_words(self, text: str) -> list[int]:
         """Text as it would read inside an output: no BOS or other special tokens (bad_words)."""
         return self.encode_text(text, add_special_tokens=False)
+
+    @functools.cached_property
+    def _special_texts(self) -> frozenset[str]:
+        added = getattr(self._hf, "added_tokens_decoder", {}) or {}
+        return frozenset(t.content for t in added.values() if getattr(t, "special", False)) | frozenset(
+            self._hf.all_special_tokens)
+
+    def special_texts(self) -> frozenset[str]:
+        """The texts of the vocabulary's special tokens (those skip_special_tokens leaves out)."""
+        return self._special_texts
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

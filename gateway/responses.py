@@ -41,6 +41,7 @@ from gateway.openai_responses import (
 from gateway.request_state import GenerationEvent, PromptLogprobs
 from gateway.sse import sse_data
 from gateway.token_rendering import TokenRenderer
+from gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallStream, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -226,18 +227,23 @@ class _Responder:
 
 @dataclass(frozen=True)
 class ToolCallMode:
-    """A forced tool call (ChatCompletionRequest.tool_call_schema): named, the output is that
-    function's arguments; required, a JSON array of {name, parameters} calls."""
+    """How a chat request's tool calls come out. Forced (ChatCompletionRequest.tool_call_schema):
+    named, the output is that function's arguments; required, a JSON array of {name, parameters}
+    calls. Chosen by the model ("auto" with a --tool-call-parser): the parser finds the calls in
+    the model's own syntax, and the rest of the text is the content."""
 
-    named: str | None = None  # the function's name; None: "required"
+    named: str | None = None  # the function's name; None: "required" (or auto)
+    parser: str | None = None  # auto: the tool_parsers name
 
     @classmethod
-    def of(cls, body: Any) -> ToolCallMode | None:
-        """The mode of a ChatCompletionRequest, or None where it forces no call."""
-        if not body.forces_tool_call():
-            return None
-        named = body.named_tool()
-        return cls(named.function.name if named is not None else None)
+    def of(cls, body: Any, parser: str | None = None) -> ToolCallMode | None:
+        """The mode of a ChatCompletionRequest, or None where its output is plain text."""
+        if body.forces_tool_call():
+            named = body.named_tool()
+            return cls(named.function.name if named is not None else None)
+        if parser and body.lets_model_choose_tool():
+            return cls(parser=parser)
+        return None
 
     @staticmethod
     def call_id() -> str:
@@ -271,6 +277,7 @@ class ChatResponder(_Responder):
         # arguments as they come), and the text of each "required" call list until it is whole.
         self._opened_calls: set[int] = set()
         self._call_text: dict[int, list[str]] = {}
+        self._call_parsers: dict[int, ToolCallStream] = {}  # auto: each choice's parser
 
     def _prompt_ids(self, index: int) -> list[int]:
         return self.prompt_token_ids
@@ -322,6 +329,8 @@ class ChatResponder(_Responder):
         once it can be parsed (each call's arguments come from its own object in the list)."""
         mode = self.tool_calls
         assert mode is not None
+        if mode.parser is not None:
+            return self._chosen_call_delta(index, event, mode.parser)
         if mode.named is not None:
             if index in self._opened_calls:
                 calls = [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=event.text))] if event.text else None
@@ -342,6 +351,27 @@ class ChatResponder(_Responder):
                  for i, call in enumerate(whole)]
         return ChatDelta(tool_calls=calls), "tool_calls" if event.finish_reason == "stop" else event.finish_reason
 
+    def _chosen_call_delta(self, index: int, event: GenerationEvent, parser: str) -> tuple[ChatDelta | None, str | None]:
+        """tool_choice "auto": the content as the parser lets it out (a tag that may be starting
+        is held back), and each call whole once its block closes."""
+        stream = self._call_parsers.get(index)
+        if stream is None:
+            stream = self._call_parsers[index] = TOOL_CALL_PARSERS[parser]()
+        first_call = stream.num_calls
+        content, calls = stream.feed(event.text)
+        finish_reason = event.finish_reason
+        if finish_reason is not None:
+            more_content, more_calls = stream.finish()
+            content, calls = content + more_content, calls + more_calls
+            if stream.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        deltas = [DeltaToolCall(index=first_call + i, id=ToolCallMode.call_id(), type="function",
+                                function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
+                  for i, call in enumerate(calls)]
+        if not content and not deltas:  # a last event still makes its chunk, for the finish reason
+            return (None if finish_reason is None else ChatDelta()), finish_reason
+        return ChatDelta(content=content or None, tool_calls=deltas or None), finish_reason
+
     def usage_chunk(self, total: Usage) -> ChatCompletionChunk:
         return self._chunk([], total)
 
@@ -350,6 +380,14 @@ class ChatResponder(_Responder):
         content (OpenAI's) and, for "required", finish_reason tool_calls (vLLM's; a named call
         keeps stop, as OpenAI's does)."""
         mode = self.tool_calls
+        if mode is not None and mode.parser is not None:
+            content, chosen = parse_tool_calls(mode.parser, out.text)
+            if not chosen:
+                return AssistantMessage(content=out.text), out.finish_reason
+            calls = [ToolCall(id=mode.call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                     for c in chosen]
+            return (AssistantMessage(content=content or None, tool_calls=calls),
+                    "tool_calls" if out.finish_reason == "stop" else out.finish_reason)
         calls = mode.calls(out.text) if mode is not None else None
         if mode is None or calls is None:
             return AssistantMessage(content=out.text), out.finish_reason

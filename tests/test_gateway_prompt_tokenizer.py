@@ -94,3 +94,16 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_special_texts_are_what_skip_special_tokens_drops(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf.add_tokens(["<tool_call>"], special_tokens=True)
+    hf.add_tokens(["</tool_call>"], special_tokens=False)
+    specials = PromptTokenizer(hf).special_texts()
+    assert {"<|im_end|>", "<tool_call>"} <= specials and "</tool_call>" not in specials and " world" not in specials
+    # What --tool-call-parser hermes keeps special tokens for: these vanish from the text otherwise.
+    ids = hf.encode("<tool_call></tool_call>", add_special_tokens=False)
+    assert hf.decode(ids, skip_special_tokens=True) == "</tool_call>"

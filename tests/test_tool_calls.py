@@ -1,6 +1,7 @@
 """Function calling against a chat template that shows tools (a cut-down Qwen2.5 / Hermes one):
 what the template gets (tools, replayed calls), /tokenize counting the same prompt, schemas with
-$defs, and the stream of a "required" call list. The plain shapes are in test_openai_client.py."""
+$defs, the stream of a "required" call list, and tool_choice "auto" with the gateway's hermes
+parser (the random model's output forced by a regex). The plain shapes are in test_openai_client.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tokenwire.stack import start_stack
 
@@ -47,7 +50,8 @@ def url(tiny_model_dir: Path, tmp_path_factory) -> Iterator[str]:
         (model_dir / f.name).write_bytes(f.read_bytes())
     (model_dir / "chat_template.jinja").write_text(TEMPLATE)
     with start_stack(["--model", str(model_dir), "--load-format", "dummy", "--max-num-seqs", "4",
-                      "--max-model-len", "512", "--device", "cpu"], timeout_s=180) as stack:
+                      "--max-model-len", "512", "--device", "cpu"], timeout_s=180,
+                     gateway_args=["--tool-call-parser", "hermes"]) as stack:
         yield stack.gateway_url
 
 
@@ -127,3 +131,66 @@ def test_a_streamed_required_list_sends_no_empty_chunks(url: str) -> None:
     assert all(c["delta"] or c["finish_reason"] for c in choices), choices
     last = choices[-1]
     assert last["finish_reason"] == "tool_calls" and last["delta"]["tool_calls"][0]["function"]["name"] == "pick"
+
+
+# What a Hermes-style model writes when it decides to call: some words, then the call in tags.
+CALLING = 'Let me pick.\n<tool_call>\n{"name": "pick", "arguments": {"a": 7}}\n</tool_call>'
+
+
+def forced(text: str) -> dict:
+    """extra_body making the random model write exactly text."""
+    return {"guided_regex": "".join("\\" + c if c in "\\.^$*+?{}[]|()" else c for c in text)}
+
+
+def test_auto_finds_the_call_the_model_writes(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    model = model_of(url)
+    answer = client.chat.completions.create(model=model, messages=HELLO, max_tokens=150, temperature=0,
+                                            tools=[PICK, BARE], extra_body=forced(CALLING))
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content == "Let me pick."
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id and call.function.name == "pick"
+    assert json.loads(call.function.arguments) == {"a": 7}
+    # Streamed: the SDK's own accumulator makes the same message of the deltas.
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(model=model, messages=HELLO, max_tokens=150, temperature=0,
+                                                tools=[PICK, BARE], extra_body=forced(CALLING), stream=True,
+                                                tool_choice="auto"):
+        state.handle_chunk(chunk)
+    streamed = state.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert streamed.message.content == "Let me pick."
+    [streamed_call] = streamed.message.tool_calls
+    assert (streamed_call.function.name, json.loads(streamed_call.function.arguments)) == ("pick", {"a": 7})
+
+
+def test_auto_without_a_call_answers_the_text_as_it_was_written(url: str) -> None:
+    text = "No tool needed <tool here> </tool_call>\n"
+    answer = chat(url, tools=[PICK], max_tokens=60, **forced(text))
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == text
+    assert "tool_calls" not in choice["message"]
+    # A block that is no call stays in the content, tags and all.
+    broken = 'Hm <tool_call>{"name": "pick", "arguments": 7}</tool_call>'
+    answer = chat(url, tools=[PICK], max_tokens=80, **forced(broken)).json()["choices"][0]
+    assert answer["message"]["content"] == broken and answer["finish_reason"] == "stop"
+
+
+def test_auto_streams_each_call_whole_and_the_content_around_it(url: str) -> None:
+    two = '<tool_call>{"name": "pick", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "ping", "arguments": {}}</tool_call>'
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json={
+            "model": model_of(url), "messages": HELLO, "max_tokens": 150, "temperature": 0, "tools": [PICK, BARE],
+            "stream": True, **forced(two)}) as response:
+        choices = [c for line in response.iter_lines() if line.startswith("data: {")
+                   for c in json.loads(line[6:])["choices"]]
+    assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["delta"] or c["finish_reason"] for c in choices), choices  # no empty chunks
+    calls = [tc for c in choices for tc in c["delta"].get("tool_calls", [])]
+    assert [(tc["index"], tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in calls] == [
+        (0, "pick", {"a": 1}), (1, "ping", {})]
+    assert all(tc["id"] and tc["type"] == "function" for tc in calls)
+    assert not any(c["delta"].get("content") for c in choices[1:])  # only whitespace between the calls
+    assert choices[-1]["finish_reason"] == "tool_calls"

@@ -186,6 +186,8 @@ def main() -> int:
     parser.add_argument("--num-detok", type=int, default=1)
     parser.add_argument("--num-model-workers", type=int, default=1,
                         help="model worker replicas (same flags); the gateway balances requests over them")
+    parser.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                        help="a flag for the gateway, repeatable (e.g. --gateway-arg=--tool-call-parser=hermes)")
     parser.add_argument("model_worker_args", nargs=argparse.REMAINDER,
                         help="after --, flags for the model worker (e.g. -- --model /path/to/model.gguf)")
     args = parser.parse_args()
@@ -200,7 +202,8 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with start_stack(extra, args.num_detok, args.host, args.port, num_model_workers=args.num_model_workers) as stack:
+    with start_stack(extra, args.num_detok, args.host, args.port, gateway_args=args.gateway_arg,
+                     num_model_workers=args.num_model_workers) as stack:
         print(f"tokenwire is up: OpenAI API at {stack.gateway_url}/v1 "
               f"(model workers {','.join(stack.model_worker_addresses)}, detok {','.join(stack.detok_addresses)})",
               flush=True)
