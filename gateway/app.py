@@ -43,6 +43,7 @@ from gateway.request_mapping import (
     check_params_vocab,
     check_token_ids,
     generation_params,
+    truncate_prompt,
 )
 from gateway.request_state import GenerationEvent
 from gateway.responses import (
@@ -143,10 +144,13 @@ def create_app(config: Config) -> FastAPI:
         prompt_ids = await tokenizer.encode_chat_async(chat_messages_of(body.messages), body.add_generation_prompt,
                                                        body.continue_final_message, body.chat_template_kwargs,
                                                        body.template_tools())
+        prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, pipeline.model_info.max_model_len,
+                                     body.completion_token_limit())
         params = generation_params(body, tokenizer.encode_words)
         check_params_vocab(params, pipeline.model_info.vocab_size)
-        responder = ChatResponder(body.model, renderer_of(pipeline), body.logprobs, body.include_usage,
-                                  prompt_ids, tool_calls)
+        model = body.model or request.app.state.served_model_name
+        responder = ChatResponder(model, renderer_of(pipeline), body.logprobs, body.include_usage, prompt_ids,
+                                  tool_calls)
         responder.continuous_usage = body.continuous_usage
         return await _respond(request, pipeline, [prompt_ids], params, body.stream, responder, "messages")
 
@@ -159,13 +163,17 @@ def create_app(config: Config) -> FastAPI:
         for prompt in body.prompts():
             ids = await tokenizer.encode_text_async(prompt) if isinstance(prompt, str) else prompt
             check_token_ids(ids, pipeline.model_info.vocab_size)
-            # Echo shows a text prompt as sent, and token ids as the tokenizer reads them; the
-            # decode is skipped when nothing echoes.
-            text = prompt if isinstance(prompt, str) else tokenizer.decode(ids) if body.echo else ""
+            kept = truncate_prompt(ids, body.truncate_prompt_tokens, pipeline.model_info.max_model_len,
+                                   body.completion_token_limit())
+            # Echo shows a text prompt as sent, and token ids (or a cut prompt) as the tokenizer
+            # reads them; the decode is skipped when nothing echoes.
+            text = prompt if isinstance(prompt, str) and kept is ids else tokenizer.decode(kept) if body.echo else ""
+            ids = kept
             echoes.append(PromptEcho(text, ids))
         params = generation_params(body, tokenizer.encode_words)
         check_params_vocab(params, pipeline.model_info.vocab_size)
-        responder = CompletionResponder(body.model, renderer_of(pipeline), body.logprobs is not None, echoes,
+        model = body.model or request.app.state.served_model_name
+        responder = CompletionResponder(model, renderer_of(pipeline), body.logprobs is not None, echoes,
                                         n=body.n, echo=body.echo, include_usage=body.include_usage,
                                         num_top_logprobs=body.logprobs or 0,
                                         prompt_logprobs=body.prompt_logprobs is not None)

@@ -74,13 +74,36 @@ class ParamError(ValueError):
         self.param = param
 
 
+_LEGACY_FUNCTIONS = "the deprecated functions / function_call are not supported: send tools and tool_choice"
+# Fields of OpenAI's or vLLM's API this server does not implement and that would change the answer
+# if it did: refused by name (with what to do instead), where the bookkeeping ones it does not need
+# (store, metadata, user, service_tier...) are ignored. The message for each; the refusal applies
+# when the value is set (not null, false or empty).
+_UNSERVED_FIELDS = {
+    "functions": _LEGACY_FUNCTIONS,
+    "function_call": _LEGACY_FUNCTIONS,
+    "chat_template": "a chat template in the request is not supported (vLLM refuses one without "
+                     "--trust-request-chat-template): the model's own template is used",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "echo": "echo is not supported on chat completions (vLLM's extension); /v1/completions has it",
+    "audio": "audio output is not supported: this model answers in text",
+}
+
+
 class _TopLevel(_Lenient):
     """A whole request body: its strings are checked once, before any field is read."""
 
     @model_validator(mode="before")
     @classmethod
-    def _unicode_text_only(cls, data: Any) -> Any:
+    def _check_raw_body(cls, data: Any) -> Any:
         reject_lone_surrogates(data)
+        if isinstance(data, dict):
+            for name, message in _UNSERVED_FIELDS.items():
+                if data.get(name) and name not in cls.model_fields:
+                    raise ParamError(name, message)
+            modalities = data.get("modalities")
+            if isinstance(modalities, list) and any(m != "text" for m in modalities):
+                raise ParamError("modalities", "only text output is supported (modalities: [\"text\"])")
         return data
 
 
@@ -92,8 +115,16 @@ class StreamOptions(_Lenient):
 
 
 class TextContentPart(_Lenient):
-    type: Literal["text"]
+    # "refusal": an assistant's refusal replayed (OpenAI's part for it), read as its text.
+    type: Literal["text", "refusal"]
     text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refusal_as_text(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") == "refusal":
+            return {**data, "text": data.get("refusal")}
+        return data
 
 
 class ChatMessage(_Lenient):
@@ -103,6 +134,18 @@ class ChatMessage(_Lenient):
     # Replayed tool conversations: the assistant's calls and the tool's answer to one of them.
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        # Checked before the content's union of forms, whose errors would not say what is wrong.
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in ("text", "refusal"):
+                raise ParamError("messages", f"content parts of type {kind!r} are not supported: this model "
+                                             "takes text only")
+        return data
 
     def text(self) -> str:
         if self.content is None:
@@ -132,10 +175,44 @@ class ResponseFormat(_Lenient):
         return self
 
 
+class StructuredOutputs(_Lenient):
+    """vLLM's `structured_outputs` (which replaced its guided_* fields in v0.12): one constraint."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's options this server cannot honour: refused when set, rather than silently ignored.
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        for option in ("structural_tag", "whitespace_pattern", "disable_any_whitespace",
+                       "disable_additional_properties"):
+            if getattr(self, option):
+                raise ParamError("structured_outputs", f"structured_outputs.{option} is not supported")
+        if self.choice is not None and not self.choice:
+            raise ParamError("structured_outputs", "structured_outputs.choice must list at least one choice")
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ParamError("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, "
+                                                   f"grammar, json_object (got {', '.join(kinds) or 'none'})")
+        return self
+
+    def kinds(self) -> list[str]:
+        return [name for name, value in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                         ("grammar", self.grammar), ("json_object", self.json_object or None))
+                if value is not None]
+
+
 class _GenerationRequest(_TopLevel):
     """Parameters chat completions and completions share (OpenAI's, then vLLM/SGLang extensions)."""
 
-    model: str
+    model: str | None = None  # None: the model served (vLLM's; OpenAI requires it)
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -175,9 +252,15 @@ class _GenerationRequest(_TopLevel):
     guided_grammar: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
 
     @model_validator(mode="after")
     def _check_shared(self) -> _GenerationRequest:
+        if self.truncate_prompt_tokens == 0:
+            raise ParamError("truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1, or -1 for the model's "
+                                                       "context length")
         if any(s == "" for s in self.stop_strings()):
             raise ParamError("stop", "stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids or []):
@@ -200,7 +283,8 @@ class _GenerationRequest(_TopLevel):
         constraints = self.output_constraints()
         if len(constraints) > 1:
             raise ValueError(f"only one output constraint at a time, got {', '.join(constraints)}")
-        if self.stream_options is not None and not self.stream:
+        options = self.stream_options  # an empty object without stream is let through, as vLLM does
+        if options is not None and not self.stream and (options.include_usage or options.continuous_usage_stats):
             raise ParamError("stream_options", "stream_options is only allowed with stream=true")
         if self.prompt_logprobs is not None and self.stream:
             raise ParamError("prompt_logprobs", "prompt_logprobs are not available with stream=true")  # as in vLLM
@@ -212,7 +296,7 @@ class _GenerationRequest(_TopLevel):
     def output_constraints(self) -> list[str]:
         """The fields that constrain the output's form (structured output) this request sets."""
         constraints = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                         "regex", "ebnf") if getattr(self, name) is not None]
+                                         "regex", "ebnf", "structured_outputs") if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type != "text":
             constraints.append("response_format")
         return constraints

@@ -108,6 +108,17 @@ def structured_output(body: GenerationRequest) -> model_worker_pb2.StructuredOut
         return so(grammar=body.guided_grammar if body.guided_grammar is not None else body.ebnf)
     if body.guided_choice is not None:
         return so(choice=so.Choice(choices=body.guided_choice))
+    outputs = body.structured_outputs
+    if outputs is not None:
+        if outputs.json_ is not None:
+            return so(json_schema=outputs.json_ if isinstance(outputs.json_, str) else json.dumps(outputs.json_))
+        if outputs.regex is not None:
+            return so(regex=outputs.regex)
+        if outputs.grammar is not None:
+            return so(grammar=outputs.grammar)
+        if outputs.choice is not None:
+            return so(choice=so.Choice(choices=outputs.choice))
+        return so(json_object=True)
     return None
 
 
@@ -184,6 +195,20 @@ def check_params_vocab(params: GenerationParams, vocab_size: int) -> None:
     check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
     check_token_ids(list(params.sampling.logit_bias), vocab_size, "logit_bias")
     check_token_ids(params.sampling.allowed_token_ids, vocab_size, "allowed_token_ids")
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, max_tokens: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens, so a long input is cut rather
+    than refused. -1: as many as leave room for max_tokens (at least one) in the context (vLLM keeps
+    max_model_len, which leaves none and is refused then)."""
+    if keep is None:
+        return ids
+    if keep > max_model_len:
+        raise invalid_request(f"truncate_prompt_tokens ({keep}) must be <= the model's maximum context length "
+                              f"({max_model_len})", param="truncate_prompt_tokens")
+    if keep == -1:
+        keep = max(1, max_model_len - (max_tokens or 1))
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,

@@ -6,6 +6,7 @@ build the exact JSON objects the OpenAI SDK parses; sse_event frames them for a 
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import time
@@ -432,6 +433,7 @@ class CompletionResponder(_Responder):
         num_choices = len(prompts) * n
         # text_offset counts characters from the start of each choice's text, across chunks.
         self._text_offsets = [0] * num_choices
+        self._partial_char = [b""] * num_choices  # each choice's bytes of a character still unfinished
         self._echoed = [False] * num_choices
 
     def _prompt(self, index: int) -> PromptEcho:
@@ -472,9 +474,14 @@ class CompletionResponder(_Responder):
             top.append({s.token_text(t): lp for t, lp in alternatives.items()})
         tokens = [s.token_text(t) for t in token_ids]
         offsets = []
-        for token in tokens:
+        for token_id in token_ids:
+            # In characters of the text: a token that ends inside a character adds none, the one
+            # that completes it adds one (its label "bytes:\xNN" is no measure of the text).
             offsets.append(self._text_offsets[index])
-            self._text_offsets[index] += len(token)
+            data = self._partial_char[index] + s.token_bytes(token_id)
+            text, consumed = codecs.utf_8_decode(data, "replace", False)
+            self._text_offsets[index] += len(text)
+            self._partial_char[index] = data[consumed:]
         return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top,
                                   text_offset=offsets)
 

@@ -270,3 +270,13 @@ def test_chunks_with_logprobs_or_echo_go_through_the_models() -> None:
     assert json.loads(echoing.stream_chunk_json(0, ev))["choices"][0]["text"] == "a"  # echoed once
     lp = json.loads(with_logprobs.stream_chunk_json(0, ev))["choices"][0]["logprobs"]
     assert lp["tokens"] == ["a"] and lp["token_logprobs"] == [-0.5]
+
+
+def test_text_offset_counts_characters_of_the_text_not_byte_labels() -> None:
+    # "é" (C3 A9) as two byte tokens, then "x", then "日" (E6 97 A5) split over two chunks.
+    responder = CompletionResponder("m", ByteSpeller(), logprobs=True, prompts=[PROMPT], n=1)
+    first = as_json(responder.chunk(0, event("éx", [0xC3, 0xA9, 0x78, 0xE6], logprobs=True)))
+    logprobs = first["choices"][0]["logprobs"]
+    assert logprobs["text_offset"] == [0, 0, 1, 2]  # the character starts where its first byte does
+    second = as_json(responder.chunk(0, event("日!", [0x97, 0xA5, 0x21], finish="stop", logprobs=True)))
+    assert second["choices"][0]["logprobs"]["text_offset"] == [2, 2, 3]  # "!" is character 3 of "éx日!"

@@ -67,6 +67,10 @@ def test_unknown_fields_are_ignored() -> None:
     {"bad_words": [""]}, {"best_of": 1, "n": 2}, {"prompt_logprobs": -1}, {"guided_choice": []},
     {"guided_regex": "a+", "guided_choice": ["a"]}, {"response_format": {"type": "json_object"}, "regex": "x"},
     {"stream_options": {"include_usage": "maybe"}, "stream": True}, {"stream_options": {"include_usage": True}},
+    {"structured_outputs": {}}, {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+    {"structured_outputs": {"choice": []}}, {"structured_outputs": {"regex": "a", "structural_tag": "{}"}},
+    {"structured_outputs": {"regex": "a"}, "guided_regex": "a"}, {"truncate_prompt_tokens": 0},
+    {"truncate_prompt_tokens": -2},
 ])
 def test_chat_bad_values_are_refused(fields: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
@@ -143,6 +147,13 @@ def test_completion_logprobs_int_and_echo() -> None:
     ({"guided_grammar": "root ::= \"a\""}, {"grammar": "root ::= \"a\""}),
     ({"ebnf": "root ::= \"b\""}, {"grammar": "root ::= \"b\""}),
     ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    # vLLM >= 0.12's one field for all of them.
+    ({"structured_outputs": {"json": {"type": "integer"}}}, {"json_schema": '{"type": "integer"}'}),
+    ({"structured_outputs": {"json": '{"type": "string"}'}}, {"json_schema": '{"type": "string"}'}),
+    ({"structured_outputs": {"regex": "[ab]+"}}, {"regex": "[ab]+"}),
+    ({"structured_outputs": {"grammar": "root ::= \"a\""}}, {"grammar": "root ::= \"a\""}),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+    ({"structured_outputs": {"json_object": True}}, {"json_object": True}),
 ])
 def test_structured_output_mapping(fields: dict[str, object], expected: dict[str, object] | None) -> None:
     for body in (chat(**fields), completion(**fields)):
@@ -259,3 +270,32 @@ def test_chat_template_kwargs_may_not_set_apply_chat_template_arguments() -> Non
     named = {name for name, p in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.items()
              if p.kind is not inspect.Parameter.VAR_KEYWORD and name != "self"}
     assert named <= _RESERVED_TEMPLATE_KWARGS, sorted(named - _RESERVED_TEMPLATE_KWARGS)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": {"name": "f"}}, "function_call"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"), ({"echo": True}, "echo"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+])
+def test_fields_that_would_change_the_answer_are_refused_by_name(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        chat(**fields)
+    [error] = info.value.errors()
+    assert error["ctx"]["error"].param == param
+    if param == "messages":  # one line that says what is wrong, not pydantic's union of content forms
+        assert "content parts of type 'image_url' are not supported" in error["msg"]
+
+
+def test_what_is_accepted_instead_of_refused() -> None:
+    # Set to nothing, the same fields are no change; an empty stream_options is let through (vLLM's).
+    body = chat(functions=None, function_call=None, audio=None, modalities=["text"], return_tokens_as_token_ids=False,
+                stream_options={}, echo=False)
+    assert body.stream_options is not None and not body.stream
+    # An assistant's refusal part is read as its text; model may be left out (vLLM's).
+    refusal = [{"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]}, *USER]
+    body = ChatCompletionRequest.model_validate({"messages": refusal})
+    assert body.model is None and body.messages[0].text() == "I cannot."
+    assert CompletionRequest.model_validate({"prompt": "x", "echo": True}).echo  # completions keep echo

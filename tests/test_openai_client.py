@@ -497,6 +497,35 @@ def test_response_format_json_object_constrains_the_output(client: openai.OpenAI
 def test_guided_choice_picks_one(client: openai.OpenAI, model: str) -> None:
     full, _ = complete(client, model, max_tokens=5, extra_body={"guided_choice": ["yes", "no"]})
     assert full.choices[0].text in ("yes", "no")
+    # vLLM >= 0.12's structured_outputs, the same constraint.
+    full, chunks = chat(client, model, max_tokens=5, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert full.choices[0].message.content in ("yes", "no") and chat_texts(chunks)[0] in ("yes", "no")
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client: openai.OpenAI, model: str, stack: Stack) -> None:
+    long_prompt = "one two three " * 200  # 600 tokens, past the 256 of the context
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=long_prompt, max_tokens=2)
+    ids = httpx.post(f"{stack.gateway_url}/tokenize", json={"prompt": long_prompt}, timeout=30).json()["tokens"]
+    cut = client.completions.create(model=model, prompt=long_prompt, max_tokens=2, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 50})
+    same = client.completions.create(model=model, prompt=ids[-50:], max_tokens=2, temperature=0)
+    assert cut.usage.prompt_tokens == 50 and cut.choices[0].text.endswith(same.choices[0].text)
+    assert len(cut.choices[0].text) < len(long_prompt)  # the echo is the prompt the model read
+    messages = [{"role": "user", "content": long_prompt}]
+    answer = client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                            extra_body={"truncate_prompt_tokens": -1})  # all that fits
+    assert answer.usage.prompt_tokens == MAX_MODEL_LEN - 2
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="hi", max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN + 1})
+    assert info.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_model_may_be_left_out(stack: Stack, model: str) -> None:
+    answer = httpx.post(f"{stack.gateway_url}/v1/chat/completions", timeout=30,
+                        json={"messages": HELLO, "max_tokens": 2}).json()
+    assert answer["model"] == model and answer["choices"][0]["message"]["content"] is not None
 
 
 # ---- errors ----
