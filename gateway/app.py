@@ -149,8 +149,11 @@ def create_app(config: Config) -> FastAPI:
         params = generation_params(body, tokenizer.encode_words)
         check_params_vocab(params, pipeline.model_info.vocab_size)
         model = body.model or request.app.state.served_model_name
+        # No thinking where the output is constrained from its first token (structured output, a
+        # forced call): the grammar leaves none, and the parser would take the answer for it.
+        constrained = body.output_constraints() or body.forces_tool_call()
         responder = ChatResponder(model, renderer_of(pipeline), body.logprobs, body.include_usage, prompt_ids,
-                                  tool_calls)
+                                  tool_calls, reasoning_parser=None if constrained else config.reasoning_parser or None)
         responder.continuous_usage = body.continuous_usage
         return await _respond(request, pipeline, [prompt_ids], params, body.stream, responder, "messages")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.reasoning_parsers import REASONING_PARSERS
 from gateway.request_limits import RequestLimits
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 from tokenwire.grpc_tls import client_tls
@@ -78,6 +79,11 @@ class Config(SchedSliceOption):
                 'tool_choice "auto" (the default with tools) is served and the calls are found in the output; '
                 'empty: "auto" is a 400 and only forced calls (required, a named function) are served'})
 
+    reasoning_parser: str = field(default="", metadata={
+        "help": "how the model marks its thinking (deepseek_r1: DeepSeek R1, QwQ, Qwen3 thinking models whose "
+                "template opens <think> in the prompt; qwen3: Qwen3, reasoning only after an opening <think>); set, "
+                "chat answers carry it apart from the content, as `reasoning` (and `reasoning_content`)"})
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.limits = RequestLimits(self.max_body_bytes, self.max_stop_strings, self.max_stop_string_chars,
@@ -106,5 +112,8 @@ class Config(SchedSliceOption):
         if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser: {self.tool_call_parser!r} is not one of "
                              f"{', '.join(sorted(TOOL_CALL_PARSERS))}")
+        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser: {self.reasoning_parser!r} is not one of "
+                             f"{', '.join(sorted(REASONING_PARSERS))}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, not {self.port}")

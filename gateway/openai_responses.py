@@ -68,12 +68,17 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # A reasoning model's thinking (--reasoning-parser): vLLM's `reasoning`, and `reasoning_content`,
+    # its earlier name, which clients still read.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
-    def _no_tool_calls_key_without_calls(self, handler: Any) -> dict[str, Any]:
+    def _no_keys_without_values(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning", "reasoning_content"):
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 
@@ -125,6 +130,8 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None  # and reasoning_content, as on AssistantMessage
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

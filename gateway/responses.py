@@ -7,6 +7,7 @@ build the exact JSON objects the OpenAI SDK parses; sse_event frames them for a 
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import logging
 import time
@@ -39,6 +40,7 @@ from gateway.openai_responses import (
     Usage,
     VllmLogprob,
 )
+from gateway.reasoning_parsers import REASONING_PARSERS, ThinkStream, split_reasoning
 from gateway.request_state import GenerationEvent, PromptLogprobs
 from gateway.sse import sse_data
 from gateway.token_rendering import TokenRenderer
@@ -270,10 +272,14 @@ class ChatResponder(_Responder):
     object_name = "chat.completion.chunk"
 
     def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, include_usage: bool = False,
-                 prompt_token_ids: list[int] | None = None, tool_calls: ToolCallMode | None = None) -> None:
+                 prompt_token_ids: list[int] | None = None, tool_calls: ToolCallMode | None = None,
+                 reasoning_parser: str | None = None) -> None:
         super().__init__(model, speller, logprobs, include_usage)
         self.prompt_token_ids = prompt_token_ids or []
         self.tool_calls = tool_calls
+        # reasoning_parsers' name: the thinking goes out as `reasoning`, apart from the content.
+        self.reasoning_parser = reasoning_parser
+        self._reasoning_streams: dict[int, ThinkStream] = {}
         # Streams of a forced call: the choices whose call has opened (a named call streams its
         # arguments as they come), and the text of each "required" call list until it is whole.
         self._opened_calls: set[int] = set()
@@ -307,7 +313,7 @@ class ChatResponder(_Responder):
         return event.text if event.text or event.finish_reason is None else None
 
     def _plain_choice_json(self, index: int, event: GenerationEvent) -> str | None:
-        if self.logprobs or self.tool_calls is not None:
+        if self.logprobs or self.tool_calls is not None or self.reasoning_parser is not None:
             return None
         content = self._delta_content(event)
         delta = "{}" if content is None else f'{{"content":{_json_text(content)}}}'
@@ -315,14 +321,34 @@ class ChatResponder(_Responder):
                 f'"finish_reason":{_json_text(event.finish_reason)},"stop_reason":{_json_text(event.stop_reason)}}}')
 
     def chunk(self, index: int, event: GenerationEvent) -> ChatCompletionChunk | None:
+        reasoning = ""
+        if self.reasoning_parser is not None:
+            reasoning, content = self._split_reasoning(index, event)
+            event = dataclasses.replace(event, text=content)
         delta, finish_reason = ChatDelta(content=self._delta_content(event)), event.finish_reason
         if self.tool_calls is not None:
             delta, finish_reason = self._tool_call_delta(index, event)
-            if delta is None and not self.logprobs:
+            if delta is None and not self.logprobs and not reasoning:
                 return None  # nothing to say yet (vLLM sends no chunk either)
             delta = delta or ChatDelta()
+        if self.reasoning_parser is not None:
+            delta.content = delta.content or None  # a thinking delta has no content key
+            delta.reasoning = delta.reasoning_content = reasoning or None
+            if not (reasoning or delta.content or delta.tool_calls or finish_reason or self.logprobs):
+                return None  # all held back (a tag that may be starting)
         return self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=self._logprobs(event),
                                             finish_reason=finish_reason, stop_reason=event.stop_reason)])
+
+    def _split_reasoning(self, index: int, event: GenerationEvent) -> tuple[str, str]:
+        """This event's (reasoning, content), from the choice's parser."""
+        stream = self._reasoning_streams.get(index)
+        if stream is None:
+            stream = self._reasoning_streams[index] = REASONING_PARSERS[self.reasoning_parser]()
+        reasoning, content = stream.feed(event.text)
+        if event.finish_reason is not None:
+            more_reasoning, more_content = stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
 
     def _tool_call_delta(self, index: int, event: GenerationEvent) -> tuple[ChatDelta | None, str | None]:
         """A forced call's stream (vLLM's shape): a named call opens with its id and name and
@@ -379,20 +405,30 @@ class ChatResponder(_Responder):
     def _message(self, out: ChoiceOutput) -> tuple[AssistantMessage, str | None]:
         """A choice's message and finish reason: its text, or (forced) its tool calls, with no
         content (OpenAI's) and, for "required", finish_reason tool_calls (vLLM's; a named call
-        keeps stop, as OpenAI's does)."""
+        keeps stop, as OpenAI's does). With a reasoning parser, the thinking is split off first."""
+        text, reasoning = out.text, None
+        if self.reasoning_parser is not None:
+            reasoning, text = split_reasoning(self.reasoning_parser, text)
+        message, finish = self._answer(text, out.finish_reason)
+        if self.reasoning_parser is not None:
+            message.content = message.content or None
+            message.reasoning = message.reasoning_content = reasoning or None
+        return message, finish
+
+    def _answer(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
         mode = self.tool_calls
         if mode is not None and mode.parser is not None:
-            content, chosen = parse_tool_calls(mode.parser, out.text)
+            content, chosen = parse_tool_calls(mode.parser, text)
             if not chosen:
-                return AssistantMessage(content=out.text), out.finish_reason
+                return AssistantMessage(content=text), finish_reason
             calls = [ToolCall(id=mode.call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                      for c in chosen]
             return (AssistantMessage(content=content or None, tool_calls=calls),
-                    "tool_calls" if out.finish_reason == "stop" else out.finish_reason)
-        calls = mode.calls(out.text) if mode is not None else None
+                    "tool_calls" if finish_reason == "stop" else finish_reason)
+        calls = mode.calls(text) if mode is not None else None
         if mode is None or calls is None:
-            return AssistantMessage(content=out.text), out.finish_reason
-        finish = out.finish_reason if mode.named is not None or out.finish_reason != "stop" else "tool_calls"
+            return AssistantMessage(content=text), finish_reason
+        finish = finish_reason if mode.named is not None or finish_reason != "stop" else "tool_calls"
         return AssistantMessage(content=None, tool_calls=calls), finish
 
     def _chunk(self, choices: list[ChatChunkChoice], total: Usage | None = None) -> ChatCompletionChunk:

@@ -280,3 +280,49 @@ def test_text_offset_counts_characters_of_the_text_not_byte_labels() -> None:
     assert logprobs["text_offset"] == [0, 0, 1, 2]  # the character starts where its first byte does
     second = as_json(responder.chunk(0, event("日!", [0x97, 0xA5, 0x21], finish="stop", logprobs=True)))
     assert second["choices"][0]["logprobs"]["text_offset"] == [2, 2, 3]  # "!" is character 3 of "éx日!"
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+async def test_reasoning_is_split_off_the_same_streamed_and_whole(parser: str) -> None:
+    from gateway.responses import ToolCallMode
+
+    text = '<think>\nweigh it\n</think>\n\nSure. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]  # tags cut across events
+    events = [(0, event(p, [ord(p[0])], finish="stop" if i == len(pieces) - 1 else None))
+              for i, p in enumerate(pieces)]
+
+    def responder() -> ChatResponder:
+        return ChatResponder("m", ByteSpeller(), logprobs=False, tool_calls=ToolCallMode(parser="hermes"),
+                             reasoning_parser=parser)
+
+    out = ChoiceOutput()
+    for _, e in events:
+        out.add(e)
+    message = responder().response([out], 3).model_dump()["choices"][0]
+    assert message["message"]["reasoning"] == message["message"]["reasoning_content"] == "\nweigh it\n"
+    assert message["message"]["content"] == "Sure." and message["finish_reason"] == "tool_calls"
+    assert message["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+
+    parts = await collect(sse_stream(events[0], events_then(events[1:]), responder(), 1, num_prompt_tokens=3))
+    deltas = [c["choices"][0]["delta"] for c in (json.loads(p[6:]) for p in parts if p.startswith("data: {"))]
+    assert all(deltas), deltas  # no empty chunks while a tag is held back
+    assert "".join(d.get("reasoning", "") for d in deltas) == "\nweigh it\n"
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure."
+    assert not any(d.get("content") for d in deltas if d.get("reasoning"))
+    [call] = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert call["function"]["name"] == "f"
+    for part in parts[:-1]:
+        oai_chat.ChatCompletionChunk.model_validate(json.loads(part[6:]))
+
+
+def test_without_a_reasoning_parser_the_message_has_no_reasoning_keys() -> None:
+    out = ChoiceOutput()
+    out.add(event("<think>x</think>y", [1], finish="stop"))
+    plain = ChatResponder("m", ByteSpeller(), logprobs=False).response([out], 3).model_dump()["choices"][0]["message"]
+    assert plain["content"] == "<think>x</think>y" and "reasoning" not in plain and "reasoning_content" not in plain
+    only_thinking = ChoiceOutput()
+    only_thinking.add(event("still thinking", [1], finish="length"))
+    r1 = ChatResponder("m", ByteSpeller(), logprobs=False, reasoning_parser="deepseek_r1")
+    message = r1.response([only_thinking], 3).model_dump()["choices"][0]["message"]
+    assert message["content"] is None and message["reasoning"] == "still thinking"

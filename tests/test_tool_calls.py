@@ -1,7 +1,8 @@
 """Function calling against a chat template that shows tools (a cut-down Qwen2.5 / Hermes one):
 what the template gets (tools, replayed calls), /tokenize counting the same prompt, schemas with
-$defs, the stream of a "required" call list, and tool_choice "auto" with the gateway's hermes
-parser (the random model's output forced by a regex). The plain shapes are in test_openai_client.py."""
+$defs, the stream of a "required" call list, tool_choice "auto" with the gateway's hermes parser
+(the random model's output forced by a regex), and the deepseek_r1 reasoning parser, which takes a
+free output (no closing </think>) for thinking and leaves a constrained one alone. The plain shapes are in test_openai_client.py."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def url(tiny_model_dir: Path, tmp_path_factory) -> Iterator[str]:
     (model_dir / "chat_template.jinja").write_text(TEMPLATE)
     with start_stack(["--model", str(model_dir), "--load-format", "dummy", "--max-num-seqs", "4",
                       "--max-model-len", "512", "--device", "cpu"], timeout_s=180,
-                     gateway_args=["--tool-call-parser", "hermes"]) as stack:
+                     gateway_args=["--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1"]) as stack:
         yield stack.gateway_url
 
 
@@ -194,3 +195,22 @@ def test_auto_streams_each_call_whole_and_the_content_around_it(url: str) -> Non
     assert all(tc["id"] and tc["type"] == "function" for tc in calls)
     assert not any(c["delta"].get("content") for c in choices[1:])  # only whitespace between the calls
     assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_a_free_output_is_thinking_under_deepseek_r1_and_a_constrained_one_is_not(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    model = model_of(url)
+    answer = client.chat.completions.create(model=model, messages=HELLO, max_tokens=8, temperature=0)
+    message = answer.choices[0].message.model_dump()
+    # The random model never writes </think>: all it wrote is reasoning, no content (vLLM's rule).
+    assert message["content"] is None and message["reasoning"] and message["reasoning"] == message["reasoning_content"]
+    streamed = list(client.chat.completions.create(model=model, messages=HELLO, max_tokens=8, temperature=0,
+                                                   stream=True))
+    deltas = [c.choices[0].delta.model_dump() for c in streamed if c.choices]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
+    assert not any(d.get("content") for d in deltas)
+    # Structured output starts at the first token: no thinking to split off.
+    forced_text = client.chat.completions.create(model=model, messages=HELLO, max_tokens=20, temperature=0,
+                                                 extra_body=forced("Hello there"))
+    assert forced_text.choices[0].message.content == "Hello there"
+    assert "reasoning" not in forced_text.choices[0].message.model_dump(exclude_unset=True)

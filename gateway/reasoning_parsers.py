@@ -1,0 +1,94 @@
+"""A reasoning model's thinking, split from its answer (`--reasoning-parser`).
+
+Models such as DeepSeek R1, QwQ and Qwen3 think between `<think>` and `</think>` before they answer.
+The parser splits each chat output into `reasoning` (vLLM's field; `reasoning_content` too, its
+older name that clients still read) and `content`, as it streams: feed() gives each delta's two
+parts, finish() what was held back. The whole output is the same parser fed once, so a stream and
+a non-stream answer split the same way. The rules (vLLM's parsers of the same names):
+- deepseek_r1: the output starts inside the reasoning (R1's template opens `<think>` in the prompt;
+  a `<think>` the model writes itself is dropped); everything up to `</think>` is reasoning, and an
+  output that never closes it is all reasoning;
+- qwen3: reasoning only where the output opens with `<think>` (Qwen3 with enable_thinking false, or a
+  model that answers straight away, writes no tags: all content);
+- the whitespace right after `</think>` is dropped (the template's line breaks before the answer).
+Tool calls (tool_parsers) are looked for in the content only.
+"""
+
+from __future__ import annotations
+
+START = "<think>"
+END = "</think>"
+
+
+def _partial_tag_length(text: str, tag: str) -> int:
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
+
+
+class ThinkStream:
+    """One choice's output, delta by delta: (reasoning, content) of each."""
+
+    starts_in_reasoning = True  # deepseek_r1; qwen3: only after an opening <think>
+
+    def __init__(self) -> None:
+        self._pending = ""  # text held back: a tag that may be starting
+        self._state = "opening"  # opening (before the first non-space text), reasoning, answer_start, content
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._pending += text
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self._pending:
+            if self._state == "opening":
+                stripped = self._pending.lstrip()
+                if START.startswith(stripped):
+                    break  # all space, or a <think> still being written
+                if stripped.startswith(START):
+                    self._pending = stripped[len(START):]
+                    self._state = "reasoning"
+                else:
+                    self._state = "reasoning" if self.starts_in_reasoning else "content"
+            elif self._state == "reasoning":
+                end = self._pending.find(END)
+                if end < 0:
+                    held = _partial_tag_length(self._pending, END)
+                    reasoning.append(self._pending[:len(self._pending) - held])
+                    self._pending = self._pending[len(self._pending) - held:]
+                    break
+                reasoning.append(self._pending[:end])
+                self._pending = self._pending[end + len(END):]
+                self._state = "answer_start"
+            elif self._state == "answer_start":
+                self._pending = self._pending.lstrip()
+                if self._pending:
+                    self._state = "content"
+            else:
+                content.append(self._pending)
+                self._pending = ""
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held, at the end of the output."""
+        pending, self._pending = self._pending, ""
+        if self._state == "reasoning" or (self._state == "opening" and self.starts_in_reasoning):
+            return pending, ""
+        if self._state == "answer_start":
+            return "", ""
+        return "", pending
+
+
+class Qwen3ThinkStream(ThinkStream):
+    starts_in_reasoning = False
+
+
+REASONING_PARSERS: dict[str, type[ThinkStream]] = {"deepseek_r1": ThinkStream, "qwen3": Qwen3ThinkStream}
+
+
+def split_reasoning(parser: str, text: str) -> tuple[str, str]:
+    """A whole output's (reasoning, content): the stream parser fed once."""
+    stream = REASONING_PARSERS[parser]()
+    reasoning, content = stream.feed(text)
+    more_reasoning, more_content = stream.finish()
+    return reasoning + more_reasoning, content + more_content
