@@ -16,15 +16,10 @@ Tool calls (tool_parsers) are looked for in the content only.
 
 from __future__ import annotations
 
+from gateway.tool_parsers import partial_tag_length
+
 START = "<think>"
 END = "</think>"
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    for length in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0
 
 
 class ThinkStream:
@@ -53,7 +48,7 @@ class ThinkStream:
             elif self._state == "reasoning":
                 end = self._pending.find(END)
                 if end < 0:
-                    held = _partial_tag_length(self._pending, END)
+                    held = partial_tag_length(self._pending, END)
                     reasoning.append(self._pending[:len(self._pending) - held])
                     self._pending = self._pending[len(self._pending) - held:]
                     break

@@ -36,7 +36,7 @@ class ParsedToolCall:
     arguments: str  # JSON text of the arguments object, as OpenAI's function.arguments
 
 
-def _partial_tag_length(text: str, tag: str) -> int:
+def partial_tag_length(text: str, tag: str) -> int:
     """Length of the longest end of text that is a proper start of tag (a tag that may be split
     across deltas)."""
     for length in range(min(len(text), len(tag) - 1), 0, -1):
@@ -106,7 +106,7 @@ class HermesToolCallStream:
                 self._after_call = False
             start = self._pending.find(self.start_tag)
             if start < 0:
-                held = _partial_tag_length(self._pending, self.start_tag)
+                held = partial_tag_length(self._pending, self.start_tag)
                 shown = self._pending[:len(self._pending) - held].rstrip()
                 content.append(shown)
                 self._pending = self._pending[len(shown):]
