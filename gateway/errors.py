@@ -66,12 +66,13 @@ RETRY_AFTER_S = 1
 _RESOURCE_EXHAUSTED = 8
 
 
-def from_grpc_code(code: int, message: str) -> APIError:
-    """The APIError for a request the model worker refused with RequestError{code, message}."""
+def from_grpc_code(code: int, message: str, param: str | None = None) -> APIError:
+    """The APIError for a request the model worker refused with RequestError{code, message};
+    param: the request's parameter at fault, where the refusal named one."""
     message = message or f"model worker error (gRPC code {code})"
     if code == _RESOURCE_EXHAUSTED:
         return queue_full(message)
-    return APIError(_GRPC_CODE_TO_HTTP.get(code, 500), message)
+    return APIError(_GRPC_CODE_TO_HTTP.get(code, 500), message, param=param)
 
 
 def queue_full(message: str) -> APIError:

@@ -262,7 +262,8 @@ class Pipeline:
         if seq.finish_reason in (model_worker_pb2.FINISH_REASON_ERROR, model_worker_pb2.FINISH_REASON_ABORT):
             request.model_finished = True
             if seq.finish_reason == model_worker_pb2.FINISH_REASON_ERROR:
-                error = from_grpc_code(seq.error.code, seq.error.message)
+                error = from_grpc_code(seq.error.code, seq.error.message,
+                                       request.params.params_of_fields.get(seq.error.field))
             else:
                 error = workers_unavailable("the model worker aborted the request")
             self._fail(request, error)

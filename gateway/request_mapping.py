@@ -50,6 +50,9 @@ class GenerationParams:
     structured_output: model_worker_pb2.StructuredOutput | None = None
     # Completions only: the prompt's text (and logprobs) lead each choice's output.
     echo: bool = False
+    # The request's own parameter for an AddRequest field the model worker names in a refusal
+    # (RequestError.field): the 400's `param`.
+    params_of_fields: dict[str, str] = field(default_factory=dict)
 
 
 def sampling_params(body: GenerationRequest, encode_words: EncodeWords) -> model_worker_pb2.SamplingParams:
@@ -150,7 +153,19 @@ def generation_params(body: GenerationRequest, encode_words: EncodeWords) -> Gen
         prompt_logprobs=prompt_logprobs,
         structured_output=structured_output(body),
         echo=echo,
+        params_of_fields=params_of_fields(body),
     )
+
+
+def params_of_fields(body: GenerationRequest) -> dict[str, str]:
+    """The body's parameter behind each AddRequest field a model worker refusal can name."""
+    forced_call = isinstance(body, ChatCompletionRequest) and body.forces_tool_call()
+    constraint = "tool_choice" if forced_call else next(iter(body.output_constraints()), "")
+    params = {"best_of": "best_of" if body.best_of is not None else "n", "n": "n",
+              "diversity_penalty": "diversity_penalty", "length_penalty": "length_penalty"}
+    if constraint:
+        params["structured_output"] = constraint
+    return params
 
 
 def chat_messages_of(chat: Sequence[ChatMessage]) -> list[dict[str, object]]:

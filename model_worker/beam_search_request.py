@@ -47,10 +47,10 @@ class BeamSearchRequest:
         beam_width = best_of or n
         if n < 1 or beam_width < n:
             raise RequestRejected(invalid, f"beam search needs 1 <= n <= best_of (the beam width), got n={n}, "
-                                           f"best_of={best_of}")
+                                           f"best_of={best_of}", "best_of")
         if beam_width > engine.max_best_of:
             raise RequestRejected(invalid, f"the beam width (best_of) must be <= {engine.max_best_of}, "
-                                           f"not {beam_width}")
+                                           f"not {beam_width}", "best_of")
         # Beam search ranks by the model's own logprobs; a temperature or filter would change
         # nothing it could honour, so say so instead of ignoring it (vLLM did the same).
         if not sampling.greedy or sampling.top_k > 0 or sampling.top_p < 1.0:
@@ -61,10 +61,11 @@ class BeamSearchRequest:
         if ignored := unsupported_settings(sampling):
             raise RequestRejected(invalid, f"beam search does not support {', '.join(ignored)}")
         if not 0.0 <= diversity_penalty < math.inf:  # NaN too
-            raise RequestRejected(invalid, f"diversity_penalty must be finite and >= 0, not {diversity_penalty}")
+            raise RequestRejected(invalid, f"diversity_penalty must be finite and >= 0, not {diversity_penalty}",
+                                  "diversity_penalty")
         if not abs(length_penalty) <= MAX_ABS_LENGTH_PENALTY:  # NaN too
             raise RequestRejected(invalid, f"length_penalty must be in [-{MAX_ABS_LENGTH_PENALTY:g}, "
-                                           f"{MAX_ABS_LENGTH_PENALTY:g}], not {length_penalty}")
+                                           f"{MAX_ABS_LENGTH_PENALTY:g}], not {length_penalty}", "length_penalty")
         # The user's own settings, checked as any request's are (its rounds carry their own).
         max_tokens = engine.validate_request(prompt_token_ids, sampling, max_tokens, stop_token_ids)
         stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else engine.eos_token_ids)

@@ -31,10 +31,11 @@ logger = logging.getLogger(__name__)
 class RequestRejected(Exception):
     """A request the engine will not run; carries the gRPC status code to report."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, field: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.field = field  # the AddRequest field at fault (RequestError.field), if one
 
 
 @dataclass
@@ -146,12 +147,12 @@ class LLMEngine:
         max_tokens = self.validate_request(prompt_token_ids, sampling, max_tokens, stop_token_ids)
         best_of = best_of or n
         if n < 1:
-            raise RequestRejected(invalid, f"n must be >= 1, not {n}")
+            raise RequestRejected(invalid, f"n must be >= 1, not {n}", "n")
         if best_of < n:
-            raise RequestRejected(invalid, f"best_of must be >= n ({n}), not {best_of}")
+            raise RequestRejected(invalid, f"best_of must be >= n ({n}), not {best_of}", "best_of")
         limit = min(self.max_best_of, self.scheduler.max_num_seqs)
         if best_of > limit:
-            raise RequestRejected(invalid, f"best_of (or n) must be <= {limit}, not {best_of}")
+            raise RequestRejected(invalid, f"best_of (or n) must be <= {limit}, not {best_of}", "best_of")
         # After the checks of the request itself: a bad request is a 400 whatever the load, not a 429
         # that a retry would only repeat.
         if len(self.scheduler.waiting) >= self.max_waiting_requests:

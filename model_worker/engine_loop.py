@@ -66,6 +66,7 @@ class RequestFailure:
     request_id: str
     code: grpc.StatusCode
     message: str
+    field: str = ""  # the AddRequest field at fault (RequestError.field), if one
     # Set by EngineLoop.abort when the engine thread will deliver it: its stream counts it as
     # unanswered until then (StreamOutbox.unanswered).
     pending: bool = False
@@ -244,7 +245,8 @@ class EngineLoop:
             problem = "structured output cannot be combined with beam search"
         if problem is not None:
             outbox.live.pop(request.request_id, None)
-            outbox.queue.put_nowait(RequestFailure(request.request_id, grpc.StatusCode.INVALID_ARGUMENT, problem))
+            outbox.queue.put_nowait(RequestFailure(request.request_id, grpc.StatusCode.INVALID_ARGUMENT, problem,
+                                                   "structured_output"))
             return
         self._compiling[seq_id] = (outbox, request)
         future = self.grammar_compiler.submit(request.constraint)
@@ -266,7 +268,7 @@ class EngineLoop:
                 logger.exception("compiling a structured output constraint failed")
                 code, message = grpc.StatusCode.INTERNAL, "compiling the constraint failed; see the model worker's log"
             outbox.live.pop(request.request_id, None)
-            outbox.queue.put_nowait(RequestFailure(request.request_id, code, message))
+            outbox.queue.put_nowait(RequestFailure(request.request_id, code, message, "structured_output"))
             return
         self._queue_pending(self._pending_adds, (outbox, seq_id, request))
 
@@ -356,7 +358,7 @@ class EngineLoop:
                                         grammar=req.grammar)
                 self._owners[seq_id] = (outbox, req.request_id)
             except RequestRejected as exc:
-                self._emit(outbox, RequestFailure(req.request_id, exc.code, exc.message), (req.request_id, seq_id))
+                self._emit(outbox, RequestFailure(req.request_id, exc.code, exc.message, exc.field), (req.request_id, seq_id))
             except Exception:  # a bug, not bad input: end this request only; the others go on
                 logger.exception("adding request %s failed", req.request_id)
                 self._owners.pop(seq_id, None)
@@ -401,7 +403,7 @@ class EngineLoop:
                 req.diversity_penalty)
             beam_request.start()
         except RequestRejected as exc:
-            self._emit(outbox, RequestFailure(req.request_id, exc.code, exc.message), (req.request_id, seq_id))
+            self._emit(outbox, RequestFailure(req.request_id, exc.code, exc.message, exc.field), (req.request_id, seq_id))
             return
         self._owners[seq_id] = (outbox, req.request_id)
         self._beam_requests[seq_id] = beam_request

@@ -144,7 +144,7 @@ def build_frame(items: list) -> pb.TokenFrame:
         if isinstance(item, RequestFailure):
             failures.append(pb.SequenceTokens(
                 request_id=item.request_id, finish_reason=pb.FINISH_REASON_ERROR,
-                error=pb.RequestError(code=item.code.value[0], message=item.message)))
+                error=pb.RequestError(code=item.code.value[0], message=item.message, field=item.field)))
             continue
         request_id, out = item
         key = (request_id, out.index)

@@ -556,3 +556,11 @@ def test_request_limits_are_400(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=2, stop=[str(i) for i in range(17)])
     assert info.value.status_code == 400 and "at most 16 stop strings" in info.value.message
+
+
+def test_a_model_worker_refusal_names_the_parameter(client: openai.OpenAI, model: str) -> None:
+    # The tiny stack runs 8 sequences at once; the gateway's own limit is 16.
+    for kw, param in (({"n": 12}, "n"), ({"extra_body": {"best_of": 12}}, "best_of")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt="hi", max_tokens=2, **kw)
+        assert "must be <= 8" in str(info.value) and info.value.param == param

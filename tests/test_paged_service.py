@@ -113,13 +113,14 @@ def test_abort_of_one_output_ends_only_that_one(stub):
     assert load.kv_blocks_used == 0 and load.num_running == 0
 
 
-@pytest.mark.parametrize("n, best_of, message", [
-    (-1, 0, "n must be >= 1"),
-    (3, 2, "best_of must be >= n"),
-    (2, 5, "must be <= 4"),
+@pytest.mark.parametrize("n, best_of, message, field", [
+    (-1, 0, "n must be >= 1", "n"),
+    (3, 2, "best_of must be >= n", "best_of"),
+    (2, 5, "must be <= 4", "best_of"),
 ])
-def test_bad_n_or_best_of_is_invalid_argument(stub, n, best_of, message):
+def test_bad_n_or_best_of_is_invalid_argument(stub, n, best_of, message, field):
     results = run_stream(stub, [pb.RequestFrame(adds=[add("e", [1, 2], 3, n=n, best_of=best_of)])])
     err = results["e"]["last"]
     assert err.finish_reason == pb.FINISH_REASON_ERROR
     assert err.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and message in err.error.message
+    assert err.error.field == field

@@ -119,4 +119,10 @@ def test_rest_stop_string_cuts_a_constrained_output(client):
 def test_rest_uncompilable_schema_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as caught:
         chat(client, response_format=schema_format(UNSUPPORTED))
-    assert "uniqueItems" in str(caught.value)
+    assert "uniqueItems" in str(caught.value) and caught.value.param == "response_format"
+    # The 400 names whichever field held the constraint.
+    for fields, param in (({"guided_regex": "(unclosed"}, "guided_regex"),
+                          ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(client, extra_body=fields)
+        assert caught.value.param == param, caught.value
