@@ -282,7 +282,7 @@ class _GenerationRequest(_TopLevel):
             raise ParamError("guided_choice", "guided_choice must list at least one choice")
         constraints = self.output_constraints()
         if len(constraints) > 1:
-            raise ValueError(f"only one output constraint at a time, got {', '.join(constraints)}")
+            raise ParamError(constraints[1], f"only one output constraint at a time, got {', '.join(constraints)}")
         options = self.stream_options  # an empty object without stream is let through, as vLLM does
         if options is not None and not self.stream and (options.include_usage or options.continuous_usage_stats):
             raise ParamError("stream_options", "stream_options is only allowed with stream=true")
@@ -533,7 +533,7 @@ class TokenizeRequest(_ChatTemplateFields, _TopLevel):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("send exactly one of prompt or messages")
+            raise ParamError("prompt" if self.prompt is not None else "messages", "send exactly one of prompt or messages")
         return self
 
     def _applies_chat_template(self) -> bool:

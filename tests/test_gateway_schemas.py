@@ -299,3 +299,10 @@ def test_what_is_accepted_instead_of_refused() -> None:
     body = ChatCompletionRequest.model_validate({"messages": refusal})
     assert body.model is None and body.messages[0].text() == "I cannot."
     assert CompletionRequest.model_validate({"prompt": "x", "echo": True}).echo  # completions keep echo
+
+
+def test_two_output_constraints_name_the_second() -> None:
+    with pytest.raises(ValidationError) as info:
+        chat(guided_regex="a+", structured_outputs={"choice": ["a"]})
+    [error] = info.value.errors()
+    assert error["ctx"]["error"].param == "structured_outputs"
