@@ -138,9 +138,11 @@ def create_app(config: Config) -> FastAPI:
         pipeline = pipeline_for(request, body.model)
         tokenizer = tokenizer_of(pipeline)
         tool_calls = ToolCallMode.of(body, config.tool_call_parser)
-        if (tool_calls is not None and tool_calls.parser is not None and "skip_special_tokens" not in body.model_fields_set
+        if (tool_calls is not None and tool_calls.parser is not None
                 and tokenizer.special_texts() & TOOL_CALL_PARSERS[tool_calls.parser].tags):
-            body.skip_special_tokens = False  # the tags are special tokens in some vocabularies (vLLM's rule)
+            # The tags are special tokens in some vocabularies: kept, or the parser would never
+            # see a call (vLLM turns skip_special_tokens off whenever tools are parsed).
+            body.skip_special_tokens = False
         prompt_ids = await tokenizer.encode_chat_async(chat_messages_of(body.messages), body.add_generation_prompt,
                                                        body.continue_final_message, body.chat_template_kwargs,
                                                        body.template_tools())

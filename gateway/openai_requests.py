@@ -95,15 +95,8 @@ class _TopLevel(_Lenient):
 
     @model_validator(mode="before")
     @classmethod
-    def _check_raw_body(cls, data: Any) -> Any:
+    def _unicode_text_only(cls, data: Any) -> Any:
         reject_lone_surrogates(data)
-        if isinstance(data, dict):
-            for name, message in _UNSERVED_FIELDS.items():
-                if data.get(name) and name not in cls.model_fields:
-                    raise ParamError(name, message)
-            modalities = data.get("modalities")
-            if isinstance(modalities, list) and any(m != "text" for m in modalities):
-                raise ParamError("modalities", "only text output is supported (modalities: [\"text\"])")
         return data
 
 
@@ -211,6 +204,18 @@ class StructuredOutputs(_Lenient):
 
 class _GenerationRequest(_TopLevel):
     """Parameters chat completions and completions share (OpenAI's, then vLLM/SGLang extensions)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, message in _UNSERVED_FIELDS.items():
+                if data.get(name) and name not in cls.model_fields:
+                    raise ParamError(name, message)
+            modalities = data.get("modalities")
+            if isinstance(modalities, list) and any(m != "text" for m in modalities):
+                raise ParamError("modalities", "only text output is supported (modalities: [\"text\"])")
+        return data
 
     model: str | None = None  # None: the model served (vLLM's; OpenAI requires it)
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)

@@ -34,9 +34,9 @@ _PROBE_TIMEOUT_S = 2.0
 
 
 def pipeline_for(request: Request, model: str | None) -> Pipeline:
-    """The pipeline serving `model`; 404 in OpenAI's words for any other name (None: the one served)."""
+    """The pipeline serving `model`; 404 in OpenAI's words for any other name (None or "": the one served)."""
     served = request.app.state.served_model_name
-    if model is not None and model != served:
+    if model and model != served:  # "" too: vLLM serves it the default model
         raise APIError(404, f"The model `{model}` does not exist. This gateway serves `{served}`.",
                        param="model", code="model_not_found")
     return request.app.state.pipeline

@@ -14,6 +14,7 @@ from typing import Any
 
 from gateway.errors import context_length_exceeded, invalid_request
 from gateway.openai_requests import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.tool_parsers import strict_json
 from tokenwire.v1 import common_pb2, detok_worker_pb2, model_worker_pb2
 
 # Enough prompt tokens for the detok worker to decode the first output piece as it reads
@@ -191,7 +192,7 @@ def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
         return call
     text = function["arguments"]
     try:
-        arguments = json.loads(text) if text.strip() else {}
+        arguments = strict_json(text) if text.strip() else {}
     except ValueError as exc:
         raise invalid_request(f"a tool call's arguments are not JSON: {exc}", param="messages") from exc
     return {**call, "function": {**function, "arguments": arguments}}
@@ -222,7 +223,9 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, max_to
         raise invalid_request(f"truncate_prompt_tokens ({keep}) must be <= the model's maximum context length "
                               f"({max_model_len})", param="truncate_prompt_tokens")
     if keep == -1:
-        keep = max(1, max_model_len - (max_tokens or 1))
+        keep = max_model_len - (max_tokens or 1)
+        if keep < 1:  # no room whatever the cut: the refusal then counts the prompt as sent
+            return ids
     return ids[-keep:] if len(ids) > keep else ids
 
 

@@ -44,7 +44,7 @@ from gateway.reasoning_parsers import REASONING_PARSERS, ThinkStream, split_reas
 from gateway.request_state import GenerationEvent, PromptLogprobs
 from gateway.sse import sse_data
 from gateway.token_rendering import TokenRenderer
-from gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallStream, parse_tool_calls
+from gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallStream, parse_tool_calls, strict_json
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +237,7 @@ class ToolCallMode:
 
     named: str | None = None  # the function's name; None: "required" (or auto)
     parser: str | None = None  # auto: the tool_parsers name
+    parallel: bool = True  # auto: False keeps the first call only (parallel_tool_calls, vLLM's rule)
 
     @classmethod
     def of(cls, body: Any, parser: str | None = None) -> ToolCallMode | None:
@@ -245,7 +246,7 @@ class ToolCallMode:
             named = body.named_tool()
             return cls(named.function.name if named is not None else None)
         if parser and body.lets_model_choose_tool():
-            return cls(parser=parser)
+            return cls(parser=parser, parallel=body.parallel_tool_calls)
         return None
 
     @staticmethod
@@ -257,7 +258,7 @@ class ToolCallMode:
         if self.named is not None:
             return [ToolCall(id=self.call_id(), function=FunctionCall(name=self.named, arguments=text))]
         try:
-            items = json.loads(text)
+            items = strict_json(text)
         except ValueError:
             return None
         if not isinstance(items, list) or not all(isinstance(i, dict) and "name" in i for i in items):
@@ -392,6 +393,8 @@ class ChatResponder(_Responder):
             content, calls = content + more_content, calls + more_calls
             if stream.num_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
+        if not self.tool_calls.parallel:
+            calls = calls[:max(0, 1 - first_call)]
         deltas = [DeltaToolCall(index=first_call + i, id=ToolCallMode.call_id(), type="function",
                                 function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
                   for i, call in enumerate(calls)]
@@ -421,6 +424,7 @@ class ChatResponder(_Responder):
             content, chosen = parse_tool_calls(mode.parser, text)
             if not chosen:
                 return AssistantMessage(content=text), finish_reason
+            chosen = chosen if mode.parallel else chosen[:1]
             calls = [ToolCall(id=mode.call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                      for c in chosen]
             return (AssistantMessage(content=content or None, tool_calls=calls),

@@ -12,13 +12,14 @@ Qwen2.5, Qwen3 and their templates) is one JSON object per call between tags:
 A stream is parsed as it comes (ToolCallStream), and a whole output is the same parser fed once
 (parse_tool_calls), so the two answers agree by construction. The rules (vLLM's hermes parser,
 where it has one):
-- text outside the tags is the message's content; the whitespace around a call block is dropped;
-  an output with no call keeps its text exactly;
+- text outside the tags is the message's content; the whitespace before a call block is dropped, and
+  the whitespace after it unless text follows (vLLM keeps only the text before the first call); an
+  output with no call keeps its text exactly;
 - each closed block whose JSON is {"name": string, "arguments": object or JSON text} is a call
   ("parameters" is read where "arguments" is missing, as Llama 3's syntax names it); an unclosed
   last block counts too when its JSON is whole (the model stopped after the object);
 - a block that is not such an object stays in the content, tags included: nothing the model wrote
-  is lost;
+  is lost; so does one whose JSON holds NaN or Infinity (not JSON to any other parser);
 - a call is sent whole in one stream delta, once its block closes, rather than its arguments
   streamed piece by piece: clients join the pieces anyway, and a half-written call could not be
   taken back if it turned out not to parse.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,26 @@ def partial_tag_length(text: str, tag: str) -> int:
     return 0
 
 
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(text: str) -> Any:
+    """json.loads of standard JSON only: NaN and Infinity (which Python reads and writes, and
+    JavaScript's JSON.parse refuses) and numbers that overflow to them are a ValueError, and so is
+    nesting too deep to parse (a RecursionError in the stdlib parser)."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+        json.dumps(value, allow_nan=False)  # 1e400 reads as inf
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    return value
+
+
 def _call_of(block: str) -> ParsedToolCall | None:
     """The call a block's JSON describes, or None where it describes none."""
     try:
-        obj = json.loads(block)
+        obj = strict_json(block)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -56,7 +74,7 @@ def _call_of(block: str) -> ParsedToolCall | None:
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            parsed = json.loads(arguments)
+            parsed = strict_json(arguments)
         except ValueError:
             return None
         return ParsedToolCall(obj["name"], arguments) if isinstance(parsed, dict) else None
@@ -100,8 +118,9 @@ class HermesToolCallStream:
                 self._close_block(block, content, calls, closed=True)
                 continue
             if self._after_call:
-                self._pending = self._pending.lstrip()
-                if not self._pending:
+                # The whitespace after a call is held: dropped before another call or the end,
+                # given out with text that follows ("Hello <call> world": "Hello world").
+                if not self._pending.strip():
                     break
                 self._after_call = False
             start = self._pending.find(self.start_tag)
@@ -125,7 +144,7 @@ class HermesToolCallStream:
         if self._in_call:
             self._close_block(self._pending, content, calls, closed=False)
         elif not self._after_call:
-            content.append(self._pending)
+            content.append(self._pending)  # after a call, only whitespace is held: dropped
         self._pending = ""
         return "".join(content), calls
 

@@ -306,3 +306,10 @@ def test_two_output_constraints_name_the_second() -> None:
         chat(guided_regex="a+", structured_outputs={"choice": ["a"]})
     [error] = info.value.errors()
     assert error["ctx"]["error"].param == "structured_outputs"
+
+
+def test_the_generation_refusals_leave_tokenize_alone() -> None:
+    from gateway.openai_requests import TokenizeRequest
+
+    body = TokenizeRequest.model_validate({"prompt": "hi", "echo": True, "functions": [{"name": "f"}]})
+    assert body.prompt == "hi"

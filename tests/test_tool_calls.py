@@ -214,3 +214,25 @@ def test_a_free_output_is_thinking_under_deepseek_r1_and_a_constrained_one_is_no
                                                  extra_body=forced("Hello there"))
     assert forced_text.choices[0].message.content == "Hello there"
     assert "reasoning" not in forced_text.choices[0].message.model_dump(exclude_unset=True)
+
+
+def test_auto_with_parallel_tool_calls_false_keeps_the_first_call(url: str) -> None:
+    two = ('<tool_call>{"name": "pick", "arguments": {"a": 1}}</tool_call>\n'
+           '<tool_call>{"name": "ping", "arguments": {}}</tool_call>')
+    body = {"tools": [PICK, BARE], "parallel_tool_calls": False, **forced(two)}
+    answer = chat(url, max_tokens=150, **body).json()["choices"][0]
+    assert [c["function"]["name"] for c in answer["message"]["tool_calls"]] == ["pick"]
+    assert answer["finish_reason"] == "tool_calls"
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json={
+            "model": model_of(url), "messages": HELLO, "max_tokens": 150, "temperature": 0, "stream": True,
+            **body}) as response:
+        choices = [c for line in response.iter_lines() if line.startswith("data: {")
+                   for c in json.loads(line[6:])["choices"]]
+    assert [tc["function"]["name"] for c in choices for tc in c["delta"].get("tool_calls", [])] == ["pick"]
+
+
+def test_a_replayed_call_nested_past_the_parser_is_a_400(url: str) -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "pick", "arguments": "[" * 5000}}
+    refused = httpx.post(f"{url}/tokenize", timeout=60,
+                         json={"messages": [*HELLO, {"role": "assistant", "tool_calls": [call]}]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages"

@@ -30,8 +30,17 @@ CASES = [
     # An unclosed last block: a call if its JSON is whole (the model stopped after it), else text.
     ('<tool_call>{"name": "f", "arguments": {"a": 1}}', "", [call("f", a=1)]),
     ('<tool_call>{"name": "f", "argu', '<tool_call>{"name": "f", "argu', []),
-    # Llama 3's "parameters"; text after a call stays, without the whitespace next to the block.
-    (' <tool_call>{"name":"f","parameters":{}}</tool_call> after\n', "after\n", [call("f")]),
+    # Llama 3's "parameters"; text after a call stays, with the whitespace before it.
+    (' <tool_call>{"name":"f","parameters":{}}</tool_call> after\n', " after\n", [call("f")]),
+    ('Hello <tool_call>{"name": "f", "arguments": {}}</tool_call> world', "Hello world", [call("f")]),
+    ('Sure.\n<tool_call>{"name": "f", "arguments": {}}</tool_call> then <tool_call>{"name": "g", "arguments": {}}'
+     '</tool_call>\n', "Sure. then", [call("f"), call("g")]),
+    # Not JSON to anyone but Python (NaN, Infinity, a number that overflows to it), or nested past
+    # what the parser takes: content, never a 500.
+    ('<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', '<tool_call>{"name": "f", "arguments": '
+     '{"a": NaN}}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1e400}"}</tool_call>', '<tool_call>{"name": "f", '
+     '"arguments": "{\\"a\\": 1e400}"}</tool_call>', []),
     ('ü <tool_call>{"name": "f", "arguments": {"s": "é"}}</tool_call>', "ü", [ParsedToolCall("f", '{"s": "é"}')]),
 ]
 
@@ -63,3 +72,10 @@ def test_a_call_comes_out_as_soon_as_its_block_closes_and_a_tag_start_is_held() 
     assert stream.num_calls == 1
     assert stream.feed("\n") == ("", [])
     assert stream.finish() == ("", [])
+
+
+def test_nesting_deeper_than_the_json_parser_takes_is_content() -> None:
+    deep = "<tool_call>" + "[" * 5000
+    assert parse_tool_calls("hermes", deep) == (deep, [])
+    closed = '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
+    assert parse_tool_calls("hermes", closed) == (closed, [])
