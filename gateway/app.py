@@ -177,6 +177,7 @@ def create_app(config: Config) -> FastAPI:
             echoes.append(PromptEcho(text, ids))
         params = generation_params(body, tokenizer.encode_words)
         check_params_vocab(params, pipeline.model_info.vocab_size)
+        await _check_batch_fits(pipeline, len(echoes))
         model = body.model or request.app.state.served_model_name
         responder = CompletionResponder(model, renderer_of(pipeline), body.logprobs is not None, echoes,
                                         n=body.n, echo=body.echo, include_usage=body.include_usage,
@@ -187,6 +188,22 @@ def create_app(config: Config) -> FastAPI:
                               "prompt", prompt_only=body.scores_prompt_only)
 
     return app
+
+
+async def _check_batch_fits(pipeline: Pipeline, num_prompts: int) -> None:
+    """Refuses a completions batch of more prompts than the replicas' waiting rooms together could
+    ever queue (each prompt waits as one request, its n samples forked later): all are added at
+    once, so the model workers would refuse the rest with RESOURCE_EXHAUSTED, a 429 that no retry
+    could ever get past."""
+    if num_prompts <= 1:
+        return
+    rooms = await asyncio.gather(*(r.waiting_room() for r in pipeline.model_workers.live if r.connected))
+    if not rooms or None in rooms:
+        return  # unknown: the model workers decide
+    capacity = sum(rooms)
+    if num_prompts > capacity:
+        raise invalid_request(f"this batch of {num_prompts} prompts is more than the model workers queue at once "
+                              f"({capacity}); send at most {capacity} per request", param="prompt")
 
 
 async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Sequence[int]], params: GenerationParams,

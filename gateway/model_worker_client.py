@@ -63,6 +63,8 @@ class ModelWorkerClient:
         # refused an add with RESOURCE_EXHAUSTED.
         self.num_sequences = 0
         self.full_until = 0.0
+        # Its --max-waiting-requests, from its first GetLoad answer (a flag: fixed while it runs).
+        self.max_waiting: int | None = None
         # The model the gateway serves (set before the stream starts); a replica whose ModelInfo
         # differs is never connected, and `refusal` says why.
         self.expected_model: model_worker_pb2.ModelInfo | None = None
@@ -98,7 +100,18 @@ class ModelWorkerClient:
     async def get_load(self, timeout_s: float = 2.0) -> model_worker_pb2.WorkerLoad:
         """Queue and KV occupancy now; raises grpc.aio.AioRpcError (DEADLINE_EXCEEDED,
         UNAVAILABLE, UNIMPLEMENTED on a worker without it) rather than waiting on a dead worker."""
-        return await self._stub.GetLoad(model_worker_pb2.GetLoadRequest(), timeout=timeout_s)
+        load = await self._stub.GetLoad(model_worker_pb2.GetLoadRequest(), timeout=timeout_s)
+        self.max_waiting = load.max_waiting
+        return load
+
+    async def waiting_room(self, timeout_s: float = 2.0) -> int | None:
+        """How many requests it queues at most (None where GetLoad does not answer)."""
+        if self.max_waiting is None:
+            try:
+                await self.get_load(timeout_s)
+            except grpc.aio.AioRpcError:
+                return None
+        return self.max_waiting
 
     @property
     def has_queued(self) -> bool:

@@ -323,6 +323,11 @@ def test_full_queue_is_429_with_retry_after(tiny_model_dir: Path) -> None:
         assert {r.status_code for r in replies} <= {200, 429}
         assert all(r.headers["retry-after"] == "1" for r in refused)
         assert refused[0].json()["error"]["type"] == "rate_limit_error"
+        # A batch bigger than the waiting room could never be queued: a 400, not a 429 to retry.
+        batch = httpx.post(f"{stack.gateway_url}/v1/completions", timeout=60,
+                           json={**body, "prompt": ["a", "b"], "max_tokens": 2})
+        assert batch.status_code == 400 and batch.json()["error"]["param"] == "prompt", batch.text
+        assert "at most 1" in batch.json()["error"]["message"]
 
 
 def test_a_reader_that_never_reads_does_not_slow_other_streams(stack: Stack, client: openai.OpenAI,
