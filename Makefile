@@ -11,6 +11,8 @@ HOST ?= 127.0.0.1
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tokenwire-installed
 PYTEST_ARGS ?=
+# Extra flags for python -m tokenwire.stack, e.g. SERVE_ARGS="--gateway-arg=--tool-call-parser=hermes -- --model m.gguf"
+SERVE_ARGS ?=
 
 .PHONY: install proto serve test test-fast lint bench bench-install bench-peers bench-loadgen bench-side-by-side bench-ttft clean
 
@@ -30,7 +32,7 @@ proto: $(STAMP)
 	$(PY) -m tokenwire.protogen
 
 serve: proto
-	$(PY) -m tokenwire.stack --host $(HOST) --port $(PORT)
+	$(PY) -m tokenwire.stack --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
