@@ -121,7 +121,8 @@ class TextContentPart(_Lenient):
 
 
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "function": the deprecated answer to a legacy function_call, which OpenAI still takes.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     # Replayed tool conversations: the assistant's calls and the tool's answer to one of them.

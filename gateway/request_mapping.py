@@ -170,10 +170,12 @@ def params_of_fields(body: GenerationRequest) -> dict[str, str]:
 
 
 def chat_messages_of(chat: Sequence[ChatMessage]) -> list[dict[str, object]]:
-    """Messages as chat templates expect them; OpenAI's newer 'developer' role is 'system'."""
+    """Messages as chat templates expect them; OpenAI's newer 'developer' role is 'system', and its
+    deprecated 'function' (a function's result) is 'tool', the role templates know for one."""
     messages: list[dict[str, object]] = []
     for m in chat:
-        message: dict[str, object] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+        message: dict[str, object] = {"role": role, "content": m.text()}
         if m.name is not None:
             message["name"] = m.name
         if m.tool_calls:

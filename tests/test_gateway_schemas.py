@@ -183,12 +183,14 @@ def test_messages_keep_tool_roles_and_join_text_parts() -> None:
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
                                                                 "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "function", "name": "f", "content": "43"},  # the deprecated form of a tool's answer
     ])
     messages = chat_messages_of(body.messages)
     assert messages[0] == {"role": "system", "content": "be brief"}
     assert messages[1] == {"role": "user", "content": "a\nb"}  # a line per part, as vLLM joins them
     assert messages[2]["role"] == "assistant" and messages[2]["tool_calls"][0]["id"] == "c1"  # type: ignore[index]
     assert messages[3] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    assert messages[4] == {"role": "tool", "content": "43", "name": "f"}
 
 
 @pytest.mark.parametrize(("prompt", "expected"), [
