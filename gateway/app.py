@@ -56,6 +56,7 @@ from gateway.responses import (
     ToolCallMode,
     sse_stream,
 )
+from gateway.token_rendering import TokenIdLabels, TokenRenderer
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ def create_app(config: Config) -> FastAPI:
         # No thinking where the output is constrained from its first token (structured output, a
         # forced call): the grammar leaves none, and the parser would take the answer for it.
         constrained = body.output_constraints() or body.forces_tool_call()
-        responder = ChatResponder(model, renderer_of(pipeline), body.logprobs, body.include_usage, prompt_ids,
+        responder = ChatResponder(model, speller_for(body, pipeline), body.logprobs, body.include_usage, prompt_ids,
                                   tool_calls, reasoning_parser=None if constrained else config.reasoning_parser or None)
         responder.continuous_usage = body.continuous_usage
         return await _respond(request, pipeline, [prompt_ids], params, body.stream, responder, "messages")
@@ -179,7 +180,7 @@ def create_app(config: Config) -> FastAPI:
         check_params_vocab(params, pipeline.model_info.vocab_size)
         await _check_batch_fits(pipeline, len(echoes))
         model = body.model or request.app.state.served_model_name
-        responder = CompletionResponder(model, renderer_of(pipeline), body.logprobs is not None, echoes,
+        responder = CompletionResponder(model, speller_for(body, pipeline), body.logprobs is not None, echoes,
                                         n=body.n, echo=body.echo, include_usage=body.include_usage,
                                         num_top_logprobs=body.logprobs or 0,
                                         prompt_logprobs=body.prompt_logprobs is not None)
@@ -188,6 +189,11 @@ def create_app(config: Config) -> FastAPI:
                               "prompt", prompt_only=body.scores_prompt_only)
 
     return app
+
+
+def speller_for(body: ChatCompletionRequest | CompletionRequest, pipeline: Pipeline) -> TokenRenderer:
+    renderer = renderer_of(pipeline)
+    return TokenIdLabels(renderer) if body.return_tokens_as_token_ids else renderer
 
 
 async def _check_batch_fits(pipeline: Pipeline, num_prompts: int) -> None:

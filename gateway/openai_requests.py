@@ -84,7 +84,6 @@ _UNSERVED_FIELDS = {
     "function_call": _LEGACY_FUNCTIONS,
     "chat_template": "a chat template in the request is not supported (vLLM refuses one without "
                      "--trust-request-chat-template): the model's own template is used",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "echo": "echo is not supported on chat completions (vLLM's extension); /v1/completions has it",
     "audio": "audio output is not supported: this model answers in text",
 }
@@ -261,6 +260,8 @@ class _GenerationRequest(_TopLevel):
     structured_outputs: StructuredOutputs | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    # vLLM's: logprob tokens as "token_id:N" rather than their text.
+    return_tokens_as_token_ids: bool = False
 
     @model_validator(mode="after")
     def _check_shared(self) -> _GenerationRequest:

@@ -82,3 +82,24 @@ class DetokRenderer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._rendered[token_id][1]
+
+
+class TokenIdLabels:
+    """vLLM's return_tokens_as_token_ids: logprob tokens shown as "token_id:N" (a client that
+    re-tokenizes nothing, as RL trainers want), their bytes still the token's own."""
+
+    def __init__(self, renderer: TokenRenderer) -> None:
+        self._renderer = renderer
+        self.renders_in_stream = renderer.renders_in_stream
+
+    async def ensure(self, token_ids: Iterable[int]) -> None:
+        await self._renderer.ensure(token_ids)
+
+    def absorb(self, token_ids: Sequence[int], rendered: detok_worker_pb2.RenderedTokens) -> None:
+        self._renderer.absorb(token_ids, rendered)
+
+    def token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._renderer.token_bytes(token_id)

@@ -570,3 +570,22 @@ def test_a_model_worker_refusal_names_the_parameter(client: openai.OpenAI, model
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=model, prompt="hi", max_tokens=2, **kw)
         assert "must be <= 8" in str(info.value) and info.value.param == param
+
+
+def test_return_tokens_as_token_ids_labels_the_logprob_tokens(client: openai.OpenAI, model: str,
+                                                             stack: Stack) -> None:
+    full, chunks = chat(client, model, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    entries = full.choices[0].logprobs.content
+    assert len(entries) == 4 and all(e.token.startswith("token_id:") for e in entries)
+    ids = [int(e.token.removeprefix("token_id:")) for e in entries]
+    text = httpx.post(f"{stack.gateway_url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    assert text == full.choices[0].message.content
+    assert all(t.token.startswith("token_id:") for e in entries for t in e.top_logprobs)
+    # The bytes are still the token's own: they join to the text.
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == full.choices[0].message.content
+    streamed = [e.token for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert streamed == [e.token for e in entries]
+    done, _ = complete(client, model, max_tokens=3, temperature=0, logprobs=1,
+                       extra_body={"return_tokens_as_token_ids": True})
+    assert all(t.startswith("token_id:") for t in done.choices[0].logprobs.tokens)
