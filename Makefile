@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Extra flags for python -m tokenwire.stack, e.g. SERVE_ARGS="--gateway-arg=--tool-call-parser=hermes -- --model m.gguf"
 SERVE_ARGS ?=
 
-.PHONY: install proto serve test test-fast lint bench bench-install bench-peers bench-loadgen bench-side-by-side bench-ttft clean
+.PHONY: install proto serve test test-fast lint bench bench-install bench-peers bench-loadgen bench-side-by-side bench-ttft gpu-bundle clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,6 +78,10 @@ bench-side-by-side: proto $(BENCH_STAMP)
 # TTFT the gateway and detok add: alternating requests over HTTP and straight to the model worker
 bench-ttft: proto $(BENCH_STAMP)
 	$(PY) -m bench.ttft_added $(BENCH_ARGS)
+
+# .gpu/: what bench/gpu_session.sh needs on a lent GPU machine without network (its header says what).
+gpu-bundle: proto
+	PY=$(PY) bash bench/gpu_bundle.sh
 
 clean:
 	rm -rf $(VENV) tokenwire/v1/*_pb2*.py tokenwire/v1/*_pb2*.pyi

@@ -106,7 +106,8 @@ def weight_bytes_per_step(model) -> int:
 
 
 def time_decode_steps(runner: ModelRunner, batch: int, context: int, steps: int, warmup: int,
-                      seed: int = 0) -> tuple[dict[str, list[float]], float]:
+                      seed: int = 0, profile_steps: int = 0,
+                      kernel_profile_steps: int = 0) -> tuple[dict[str, list[float]], float]:
     """Step times (s) per mode over `steps` decode steps each, modes alternating step by step on one
     engine after `warmup` steps of each; and the mean context length of the timed steps."""
     graphs = runner.decode_graphs
@@ -151,7 +152,64 @@ def time_decode_steps(runner: ModelRunner, batch: int, context: int, steps: int,
     runner.decode_graphs = graphs
     for layer in kernel_layers:
         layer.bf16_max_tokens = BF16_KERNEL_MAX_TOKENS
+    if "cuda_graphs" in modes:
+        times["graph_replay"] = replay_times(graphs, batch, max(s.num_tokens - 1 for s in engine.scheduler.running),
+                                             steps)
+    if profile_steps and "cuda_graphs" in modes:
+        profile_host(engine, profile_steps)
+    if kernel_profile_steps and runner.device.type == "cuda":
+        runner.decode_graphs = None
+        profile_kernels(engine, kernel_profile_steps)
+        runner.decode_graphs = graphs
     return times, statistics.fmean(contexts)
+
+
+def profile_kernels(engine: LLMEngine, steps: int) -> None:
+    """torch.profiler's GPU kernels over `steps` eager steps (the kernels a graph replays, without
+    its launch gaps): per kernel name, time and count, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events)
+    print(f"GPU kernels of {steps} eager steps at batch {len(engine.scheduler.running)}: "
+          f"{total / 1e3 / steps:.3f} ms per step, {sum(e.count for e in events) / steps:.0f} kernels per step",
+          flush=True)
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms {e.count / steps:6.0f}x  {e.key[:110]}")
+
+
+def replay_times(graphs, batch: int, context: int, repeats: int) -> list[float]:
+    """Seconds per replay of the graph a step of `batch` sequences at `context` uses, timed with
+    device events on its last inputs: the forward's GPU time alone, without the step's host work
+    (scheduling, buffer fill, sampling, the host copy)."""
+    graph = graphs._graphs[graphs.bucket(batch, context)]
+    seconds = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    return seconds
+
+
+def profile_host(engine: LLMEngine, steps: int) -> None:
+    """cProfile of `steps` engine steps: where a step's host time goes (printed, top 30 by own time)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    print(f"host profile of {steps} steps at batch {len(engine.scheduler.running)} (own time):", flush=True)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -166,6 +224,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per mode")
     parser.add_argument("--warmup", type=int, default=5, help="untimed decode steps per mode first")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: time eager steps only")
+    parser.add_argument("--no-cuda-kernels", action="store_true",
+                        help="CUDA: torch ops instead of the Triton kernels (the model worker's --no-cuda-kernels)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="CUDA: after each batch's timed steps, cProfile this many graph steps (host time)")
+    parser.add_argument("--kernel-profile-steps", type=int, default=0,
+                        help="CUDA: then list the GPU kernels of this many eager steps (torch.profiler)")
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="size of the copy that measures bandwidth")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
     parser.add_argument("--bf16-small-batch", action="store_true",
@@ -199,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     max_batch = max(args.batch_sizes)
     # Prefill steps (when the first sequences already decode), then every mode's steps.
     prefill_steps = -(-max_batch * args.context // STEP_TOKENS) + 1
-    max_model_len = args.context + prefill_steps + 2 * (args.warmup + args.steps) + 4
+    max_model_len = args.context + prefill_steps + 2 * (args.warmup + args.steps) + 4 + args.profile_steps + args.kernel_profile_steps
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = Path(args.model_dir) if args.model_dir else write_shape_dir(args.shape, Path(scratch))
         runner = ModelRunner(model_dir, "dummy", device, dtype, max_num_seqs=max_batch, max_model_len=max_model_len,
@@ -207,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
                              kv_cache_tokens=max_batch * -(-max_model_len // BLOCK_SIZE) * BLOCK_SIZE,
                              block_size=BLOCK_SIZE,
                              decode_graphs=device.type == "cuda" and not args.no_cuda_graphs,
-                             bf16_small_batch=args.bf16_small_batch, cpu_bf16_matmul=args.cpu_bf16_matmul)
+                             bf16_small_batch=args.bf16_small_batch, cpu_bf16_matmul=args.cpu_bf16_matmul,
+                             cuda_kernels=not args.no_cuda_kernels)
     if args.bf16_small_batch and not any(layer.bf16_blocks is not None for layer in linear_layers(runner.model)):
         raise SystemExit("--bf16-small-batch: no bf16 kernel here (needs --dtype bfloat16 on a CPU with AVX512-BF16 "
                          "and a C++ compiler)")
@@ -222,7 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{bandwidth / 1e9:.1f} GB/s; context {args.context}, {args.steps} timed steps per mode", flush=True)
     results: list[BatchRoofline] = []
     for batch in args.batch_sizes:
-        times, mean_context = time_decode_steps(runner, batch, args.context, args.steps, args.warmup)
+        times, mean_context = time_decode_steps(runner, batch, args.context, args.steps, args.warmup,
+                                                profile_steps=args.profile_steps,
+                                                kernel_profile_steps=args.kernel_profile_steps)
         # Each sequence's step reads its cached positions and the new token's (written, then read).
         kv = round(batch * (mean_context + 1) * per_token)
         result = BatchRoofline(batch, mean_context, weights, kv, 1e3 * (weights + kv) / bandwidth)

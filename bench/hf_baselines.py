@@ -84,12 +84,12 @@ def run_continuous(model, prompts: list[Prompt], level: Level, output_tokens: in
                                          pad_token_id=model.generation_config.pad_token_id or 0)
     page_size = 256
     pages_per_request = math.ceil((len(prompts[0].token_ids) + output_tokens) / page_size)
-    cb_config = ContinuousBatchingConfig(
-        page_size=page_size, max_requests_per_batch=level.concurrency,
-        # Sized like tokenwire's engine: every running request's context fits, 2048-token steps.
-        # Left to itself it would size the cache from GPU memory.
+    # Sized like tokenwire's engine: every running request's context fits, 2048-token steps.
+    # Left to itself it would size the cache from GPU memory.
+    cb_config = ContinuousBatchingConfig(**continuous_batching_kwargs(
+        ContinuousBatchingConfig, page_size=page_size, max_requests_per_batch=level.concurrency,
         num_blocks=(level.concurrency or len(prompts)) * pages_per_request + 1, max_batch_tokens=2048,
-    )
+    ))
     start = time.perf_counter()
     outputs = model.generate_batch([p.token_ids for p in prompts], generation_config, cb_config,
                                    record_timestamps=True, progress_bar=False)
@@ -103,6 +103,21 @@ def run_continuous(model, prompts: list[Prompt], level: Level, output_tokens: in
         record.end = record.chunk_times[-1] if record.chunk_times else time.perf_counter()
         records.append(record)
     return records
+
+
+def continuous_batching_kwargs(config_class, **wanted) -> dict:
+    """`wanted` in the names this transformers' ContinuousBatchingConfig takes (some versions call
+    the page size `block_size`); a setting it lacks is left to its default, and said so."""
+    import inspect
+
+    accepted = inspect.signature(config_class.__init__).parameters
+    if "page_size" not in accepted and "block_size" in accepted:
+        wanted["block_size"] = wanted.pop("page_size")
+    dropped = sorted(set(wanted) - set(accepted))
+    if dropped:
+        print(f"note: this transformers' ContinuousBatchingConfig has no {', '.join(dropped)}; left to its defaults",
+              file=sys.stderr)
+    return {name: value for name, value in wanted.items() if name in accepted}
 
 
 def load_model(model_dir: Path, load_format: str, device: torch.device, dtype: torch.dtype):

@@ -38,7 +38,13 @@ def write_shape_dir(shape: str, out: Path, tokenizer_dir: Path | None = None) ->
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(sorted(SHAPES))}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(SHAPES[shape], indent=2) + "\n")
+    config = dict(SHAPES[shape])
+    if tokenizer_dir is not None and (tokenizer_dir / "config.json").is_file():
+        # The special ids of the tokenizer that comes along, not the public checkpoint's (Llama 3's
+        # EOS 128001 is no id of SmolLM2's tokenizer, and structured output checks it).
+        source = json.loads((tokenizer_dir / "config.json").read_text())
+        config.update({key: source[key] for key in ("bos_token_id", "eos_token_id") if key in source})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             if (tokenizer_dir / name).is_file():

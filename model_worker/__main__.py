@@ -111,16 +111,16 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
     hf_config = _read_json(model_dir / "config.json")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    if config.cuda_graphs and device.type != "cuda":
-        raise ValueError(f"--cuda-graphs needs a CUDA device; --device {config.device} resolved to {device}")
     context = hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048  # GPT-2: n_positions
     max_model_len = config.max_model_len or min(context, 2048)
     runner = ModelRunner(model_dir, config.load_format, device, dtype, config.max_num_seqs, max_model_len,
                          config.block_size, config.kv_cache_tokens, config.kv_cache_memory_bytes,
                          config.gpu_memory_utilization, config.int8_small_batch, config.batch_invariant,
-                         config.cpu_decode_kernel, Path(config.cache_dir) / "kernels", config.cuda_graphs,
+                         config.cpu_decode_kernel, Path(config.cache_dir) / "kernels",
+                         config.decode_graphs_on(device.type),
                          config.bf16_small_batch, config.cpu_bf16_matmul,
-                         *gguf_small_steps(config, model_dir, hf_config, device, dtype))
+                         *gguf_small_steps(config, model_dir, hf_config, device, dtype),
+                         cuda_kernels=config.cuda_kernels)
     warn_if_gguf_blocks_rounded(runner, model_dir)
     eos_ids = default_eos_ids(_read_json(model_dir / "generation_config.json"), hf_config)
     engine = LLMEngine(runner, eos_ids, config.max_num_seqs, config.max_num_batched_tokens,
@@ -149,8 +149,12 @@ async def serve(config: Config) -> None:
     use_serving_slice(config, "model worker", whole_process=False)
     # Structured output: llguidance's token trie from tokenizer.json (~1 s, once).
     tokenizer_json = model_dir / "tokenizer.json"
-    grammar_compiler = (GrammarCompiler.from_tokenizer_file(tokenizer_json, runner.vocab_size, eos_ids)
-                        if tokenizer_json.is_file() else None)
+    grammar_compiler = None
+    if tokenizer_json.is_file():
+        try:
+            grammar_compiler = GrammarCompiler.from_tokenizer_file(tokenizer_json, runner.vocab_size, eos_ids)
+        except ValueError as exc:  # e.g. an EOS id the tokenizer does not have: serve, without constraints
+            logger.warning("structured output is off: llguidance refused %s: %s", tokenizer_json, exc)
     loop = EngineLoop(engine, grammar_compiler, engine_thread)
     # Started inside the try: its thread waits for work until stop(), and a process whose
     # startup failed after it started would otherwise never exit.

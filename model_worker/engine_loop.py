@@ -247,7 +247,8 @@ class EngineLoop:
     def _compile_then_add(self, outbox: StreamOutbox, seq_id: int, request: NewRequest) -> None:
         problem = None
         if self.grammar_compiler is None:
-            problem = "structured output needs the model's tokenizer.json, which this worker does not have"
+            problem = ("structured output needs the model's tokenizer.json, which this worker does not have "
+                       "or could not read (see its start-up log)")
         elif request.use_beam_search:
             problem = "structured output cannot be combined with beam search"
         if problem is not None:

@@ -36,7 +36,12 @@ from model_worker.kv_cache import PagedKVCache, kv_bytes_per_token, num_kv_block
 from model_worker.models import gpt2
 from model_worker.models.gpt2 import GPT2Model, GPT2Shape
 from model_worker.models.hf_fallback import CacheBudget, HFCausalLM, HFShape
-from model_worker.models.linear import KERNEL_MATMUL_MIN_SPEEDUP, LARGE_STEP_KERNELS, kernel_matmul_times
+from model_worker.models.linear import (
+    KERNEL_MATMUL_MIN_SPEEDUP,
+    LARGE_STEP_KERNELS,
+    Linear,
+    kernel_matmul_times,
+)
 from model_worker.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from model_worker.models.llama import LlamaModel, LlamaShape
 from model_worker.scheduler import ScheduledChunk, SchedulerOutput
@@ -44,6 +49,21 @@ from model_worker.scheduler import ScheduledChunk, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def triton_ops_module() -> ModuleType | None:
+    """model_worker.triton_ops, or None where triton is not installed (a CUDA torch ships it)."""
+    try:
+        from model_worker import triton_ops
+    except ImportError as exc:
+        logger.warning("no triton (%s): CUDA steps use torch ops for the norms, rotary and decode attention", exc)
+        return None
+    return triton_ops
+
+
+def native_linear_layers(model: LlamaModel | GPT2Model) -> list[Linear]:
+    """Every Linear of a natively run model: its layers' and the lm_head."""
+    return [value for layer in model.layers for value in layer.values() if isinstance(value, Linear)] + [model.lm_head]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -163,7 +183,7 @@ class ModelRunner:
                  cpu_decode_kernel: bool = True, kernel_build_root: Path = DEFAULT_BUILD_ROOT,
                  decode_graphs: bool = False, bf16_small_batch: bool = False,
                  cpu_bf16_matmul: str = "onednn", int4_small_batch: bool = False,
-                 q8_0_lm_head: bool = False) -> None:
+                 q8_0_lm_head: bool = False, cuda_kernels: bool = True) -> None:
         config = json.loads((model_dir / "config.json").read_text())
         self.shape = model_shape(config)
         self.device = device
@@ -178,6 +198,8 @@ class ModelRunner:
         # which batch-invariant mode leaves to the torch ops it was checked with.
         cpu_kernels = cpu_decode_kernel and device.type == "cpu"
         bf16_cpu_kernels = cpu_kernels and dtype == torch.bfloat16 and not batch_invariant
+        # Their GPU counterparts (Triton), likewise left out of batch-invariant mode.
+        gpu_kernels = triton_ops_module() if cuda_kernels and device.type == "cuda" and not batch_invariant else None
         if isinstance(s, HFShape):
             logger.warning("architectures %s have no native model here: running them through transformers, "
                            "one sequence at a time, without prefix caching (slower)", s.architectures)
@@ -216,10 +238,14 @@ class ModelRunner:
                 self.model = GPT2Model(s, weights, device, dtype, int8_small_batch, int8_kernel, bf16_kernel,
                                        bf16_large_steps)
             else:
-                llama_ops = llama_ops_module(kernel_build_root) if bf16_cpu_kernels else None
+                llama_ops = llama_ops_module(kernel_build_root) if bf16_cpu_kernels else gpu_kernels
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel,
                                         llama_ops, bf16_kernel, bf16_large_steps, gguf_kernel,
                                         "q8_0" if q8_0_lm_head and gguf_kernel is not None else None)
+        if gpu_kernels is not None and dtype == torch.bfloat16 and not isinstance(s, HFShape):
+            for layer in native_linear_layers(self.model):
+                layer.small_batch_matmul = gpu_kernels.small_batch_linear
+                layer.small_batch_max_tokens = gpu_kernels.SMALL_BATCH_MAX_ROWS
         # The sampler's greedy and sampled picks and top_p on the CPU (any dtype: they read the float32 logits).
         sampling_ops = sampling_ops_module(kernel_build_root) if cpu_kernels else None
         self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = (
@@ -252,6 +278,9 @@ class ModelRunner:
             if bf16_cpu_kernels and paged_decode_attention_fits(s.head_dim, s.num_heads // s.num_kv_heads):
                 kernels = paged_decode_attention_module(kernel_build_root)
                 self.kv_cache.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
+            elif gpu_kernels is not None and gpu_kernels.decode_attention_fits(s.head_dim,
+                                                                               s.num_heads // s.num_kv_heads):
+                self.kv_cache.decode_kernel = gpu_kernels.paged_decode_attention
         logger.info("model %s on %s/%s, KV cache %d blocks x %d tokens = %.1f MiB", model_dir.name, device,
                     dtype, num_blocks, block_size, self.kv_cache.num_bytes / 2**20)
         # decode_graphs: decode steps through DecodeGraphRunner, captured as CUDA graphs on a GPU

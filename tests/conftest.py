@@ -29,7 +29,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """Converted SmolLM2-135M-Instruct (config, safetensors, tokenizer), cached on disk."""
+    """Converted SmolLM2-135M-Instruct (config, safetensors, tokenizer), cached on disk.
+
+    TOKENWIRE_TEST_MODEL_DIR names a dir with its config and tokenizer instead, for a host
+    without the GGUF's package (a GPU machine that only runs the tests on random weights)."""
+    if os.environ.get("TOKENWIRE_TEST_MODEL_DIR"):
+        return Path(os.environ["TOKENWIRE_TEST_MODEL_DIR"])
     from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir
 
     return resolve_model_dir(DEFAULT_MODEL, CACHE_DIR)

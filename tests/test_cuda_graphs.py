@@ -131,10 +131,10 @@ def test_transformers_fallback_and_batch_invariance_refuse_graphs(tiny_model_dir
     with pytest.raises(ValueError, match="batch-invariant"):
         ModelRunner(tiny_model_dir, "dummy", CPU, torch.float32, max_num_seqs=4, max_model_len=64,
                     batch_invariant=True, decode_graphs=True)
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        Config(cuda_graphs=True, device="cpu")
-    with pytest.raises(ValueError, match="batch-invariant"):
-        Config(cuda_graphs=True, batch_invariant=True)
+    # The model worker's flag (on by default) applies on CUDA only, and never with --batch-invariant.
+    assert Config().decode_graphs_on("cuda") and not Config().decode_graphs_on("cpu")
+    assert not Config(batch_invariant=True).decode_graphs_on("cuda")
+    assert not Config(cuda_graphs=False).decode_graphs_on("cuda")
 
 
 def test_graph_runner_needs_a_padding_block(tiny_model_dir):

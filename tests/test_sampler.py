@@ -480,6 +480,13 @@ def test_penalties_at_seen_tokens_only_match_the_dense_formulas():
 
     dense_repetition = torch.where(counts > 0, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
     dense_presence = logits - torch.where(counts > 0, counts * frequency + presence, 0.0)
-    assert torch.equal(penalties.apply_sign_aware_penalty(logits.clone(), counts > 0, penalty), dense_repetition)
-    assert torch.equal(penalties.apply_presence_frequency(logits.clone(), counts, presence, frequency), dense_presence)
+    # On a GPU they run dense (no nonzero() host sync): the same values there.
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        on = {name: t.to(device) for name, t in dict(logits=logits, counts=counts, penalty=penalty, presence=presence,
+                                                     frequency=frequency).items()}
+        repetition = penalties.apply_sign_aware_penalty(on["logits"].clone(), on["counts"] > 0, on["penalty"])
+        presence_frequency = penalties.apply_presence_frequency(on["logits"].clone(), on["counts"], on["presence"],
+                                                                on["frequency"])
+        assert torch.equal(repetition.cpu(), dense_repetition), device
+        assert torch.equal(presence_frequency.cpu(), dense_presence), device
     assert not torch.equal(dense_repetition, logits) and torch.equal(dense_repetition[2], logits[2])

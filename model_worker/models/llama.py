@@ -219,7 +219,9 @@ class LlamaModel:
         self.rms_norm = llama_ops.rms_norm if llama_ops is not None else rms_norm
         self.add_rms_norm = llama_ops.add_rms_norm if llama_ops is not None else add_rms_norm
         self.silu_and_mul = llama_ops.silu_and_mul if llama_ops is not None else silu_and_mul
-        rope_fits = not s.qk_norm and s.head_dim % 32 == 0
+        # The C++ op takes head sizes in multiples of 32, the Triton one powers of two (its rope_fits).
+        rope_fits = not s.qk_norm and (llama_ops.rope_fits(s.head_dim) if hasattr(llama_ops, "rope_fits")
+                                       else s.head_dim % 32 == 0)
         self.rope_and_cache = llama_ops.rope_and_cache if llama_ops is not None and rope_fits else None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: PagedKVCache) -> torch.Tensor:
