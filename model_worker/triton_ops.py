@@ -162,7 +162,8 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
                          part_ml_ptr, stride_q_t, stride_q_h, stride_cache_block, stride_cache_pos,
                          stride_cache_head, stride_tables, stride_out_t, stride_out_h, block_size, window, scale,
                          split_len, num_splits, GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+                         PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -190,14 +191,14 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_p
                         other=0)
         at = block * stride_cache_block + (positions % block_size) * stride_cache_pos + kv_head * stride_cache_head
         k = tl.load(k_cache_ptr + at[:, None] + dims[None, :], mask=seen[:, None], other=0.0)  # [BLOCK_N, D]
-        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_GROUP, BLOCK_N], float32
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_GROUP, BLOCK_N], float32
         scores = tl.where(seen[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + at[:, None] + dims[None, :], mask=seen[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SINGLE_SPLIT:
         out = acc / l_i[:, None]
@@ -226,6 +227,12 @@ def _join_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_out_t, stride
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=inside[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(s * weight, axis=0)
     tl.store(out_ptr + seq * stride_out_t + head * stride_out_h + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: float32 inputs in full precision ("ieee"; Triton's default rounds them
+    to tf32, ~1e-3, where a --dtype float32 model expects float32 attention); 16-bit ones as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def decode_attention_fits(head_dim: int, group: int) -> bool:
@@ -268,7 +275,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         block_size, window, scale, split_len, num_splits, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, SINGLE_SPLIT=single, num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_N=block_n, SINGLE_SPLIT=single, PRECISION=dot_precision(q.dtype), num_warps=4)
     if not single:
         _join_splits_kernel[(batch, num_heads)](part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,
                                                 num_splits, HEAD_DIM=head_dim,
@@ -278,7 +285,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @triton.jit
 def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, k, stride_x, stride_w, stride_out,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               PRECISION: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -288,7 +296,7 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, k, stride_x, 
                     other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=(cols < n)[:, None] & (ks < k)[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_K]
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows < num_rows)[:, None] & (cols < n)[None, :])
 
@@ -310,5 +318,5 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16,
     out = x.new_empty(num_rows, n)
     _small_batch_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages)
     return out

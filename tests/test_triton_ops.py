@@ -161,3 +161,26 @@ def test_small_batch_linear_matches_a_matmul(rows, n, k):
     tolerance = 2 ** -8 if DTYPE == torch.bfloat16 else 1e-4
     assert got.shape == (rows, n)
     assert float(((got.double() - want).abs() / want.abs().clamp(min=1.0)).max()) <= tolerance
+
+
+@pytest.mark.gpu
+def test_float32_attention_is_not_rounded_to_tf32():
+    """A --dtype float32 model's decode attention in float32 on a GPU: tl.dot would round its inputs
+    to tf32 (~1e-3 relative) by default; dot_precision asks for full precision."""
+    kv = PagedKVCache(1, 40, 16, 8, 128, torch.float32, DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    kv.key.copy_(torch.randn(kv.key.shape, generator=gen))
+    kv.value.copy_(torch.randn(kv.value.shape, generator=gen))
+    q = torch.randn(2, 32, 128, generator=gen).to(DEVICE)
+    tables = torch.randint(0, 40, (2, 36), generator=gen).to(DEVICE)
+    seq_lens = torch.tensor([576, 300], device=DEVICE)
+    got = triton_ops.paged_decode_attention(q, kv.layer_keys[0], kv.layer_values[0], tables, seq_lens, 0, 128 ** -0.5)
+    want = torch_decode_attention(q.double(), _as_double(kv), tables, seq_lens, 0, 128 ** -0.5)
+    assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def _as_double(kv: PagedKVCache) -> PagedKVCache:
+    double = PagedKVCache(1, kv.num_blocks, kv.block_size, kv.key.shape[3], kv.key.shape[4], torch.float64, DEVICE)
+    double.key.copy_(kv.key)
+    double.value.copy_(kv.value)
+    return double
