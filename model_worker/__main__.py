@@ -19,6 +19,7 @@ from model_worker.host_memory import keep_freed_memory_in_heap
 from model_worker.kernels import GGUF_LINEAR_FLAGS, cpu_flags
 from model_worker.model_files import gguf_weight_types, model_id_for, resolve_model_dir
 from model_worker.model_runner import ModelRunner, model_shape, resolve_device, resolve_dtype
+from model_worker.models.hf_fallback import HFShape
 from model_worker.models.linear import GGUF_FORMAT_MAX_TOKENS, Linear
 from model_worker.models.llama import LlamaShape
 from model_worker.servicer import ModelWorkerServicer
@@ -117,7 +118,7 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
                          config.block_size, config.kv_cache_tokens, config.kv_cache_memory_bytes,
                          config.gpu_memory_utilization, config.int8_small_batch, config.batch_invariant,
                          config.cpu_decode_kernel, Path(config.cache_dir) / "kernels",
-                         config.decode_graphs_on(device.type),
+                         config.decode_graphs_on(device.type, not isinstance(model_shape(hf_config), HFShape)),
                          config.bf16_small_batch, config.cpu_bf16_matmul,
                          *gguf_small_steps(config, model_dir, hf_config, device, dtype),
                          cuda_kernels=config.cuda_kernels)

@@ -88,14 +88,16 @@ class Config(WorkerServerOptions):
                 "~20 s); off, or where they cannot be built: torch ops"})
     cuda_kernels: bool = field(default=True, metadata={
         "help": "CUDA: the Llama family's norms (fused with their residual adds), rotary embedding with the KV "
-                "cache write and silu(gate) * up, and decode attention reading the paged cache in place, as Triton "
-                "kernels (model_worker/triton_ops.py: one kernel each per layer where torch ops launch ~70); "
-                "off, or without triton: torch ops"})
+                "cache write and silu(gate) * up, and (Llama family and GPT-2) decode attention reading the paged "
+                "cache in place and, bf16 on Hopper, a small-batch matmul, as Triton kernels "
+                "(model_worker/triton_ops.py: one kernel each per layer where torch ops launch ~70; the last two "
+                "are tried once at startup and left out where they cannot launch); off, or without triton: torch ops"})
     cuda_graphs: bool = field(default=True, metadata={
         "help": "CUDA: replay decode steps of up to min(--max-num-seqs, 256) sequences from captured CUDA graphs "
                 "(model_worker/cuda_graphs.py; checked against the eager forward at startup, eager if "
                 "capture fails; 3.6x faster one-stream steps on an H100 for a Llama-3-8B shape). Ignored on a "
-                "CPU and with --batch-invariant, which keeps its fixed shapes"})
+                "CPU, for models run through the transformers fallback, and with --batch-invariant, which keeps "
+                "its fixed shapes"})
     seed: int = field(default=0, metadata={"help": "seed of the shared generator used by unseeded requests"})
     served_model_name: str = field(default="", metadata={"help": "model id to report; default from --model"})
     cache_dir: str = field(default_factory=_default_cache_dir, metadata={
@@ -145,7 +147,8 @@ class Config(WorkerServerOptions):
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def decode_graphs_on(self, device_type: str) -> bool:
-        """Whether decode steps replay CUDA graphs: --cuda-graphs on a CUDA device, unless
+    def decode_graphs_on(self, device_type: str, native_model: bool = True) -> bool:
+        """Whether decode steps replay CUDA graphs: --cuda-graphs on a CUDA device, for a natively run
+        architecture (the transformers fallback has no static-shape forward to capture), unless
         --batch-invariant (graphs pad a batch to captured sizes; its GEMMs keep fixed ones)."""
-        return self.cuda_graphs and device_type == "cuda" and not self.batch_invariant
+        return self.cuda_graphs and device_type == "cuda" and native_model and not self.batch_invariant

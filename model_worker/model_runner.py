@@ -242,7 +242,11 @@ class ModelRunner:
                 self.model = LlamaModel(s, weights, device, dtype, int8_small_batch, batch_invariant, int8_kernel,
                                         llama_ops, bf16_kernel, bf16_large_steps, gguf_kernel,
                                         "q8_0" if q8_0_lm_head and gguf_kernel is not None else None)
-        if gpu_kernels is not None and dtype == torch.bfloat16 and not isinstance(s, HFShape):
+        attention_kernel = matmul_kernel = False
+        if gpu_kernels is not None and not isinstance(s, HFShape):
+            attention_kernel, matmul_kernel = gpu_kernels.kernels_run_here(device, dtype, s.num_heads, s.num_kv_heads,
+                                                                           s.head_dim)
+        if matmul_kernel:
             for layer in native_linear_layers(self.model):
                 layer.small_batch_matmul = gpu_kernels.small_batch_linear
                 layer.small_batch_max_tokens = gpu_kernels.SMALL_BATCH_MAX_ROWS
@@ -278,8 +282,7 @@ class ModelRunner:
             if bf16_cpu_kernels and paged_decode_attention_fits(s.head_dim, s.num_heads // s.num_kv_heads):
                 kernels = paged_decode_attention_module(kernel_build_root)
                 self.kv_cache.decode_kernel = kernels.paged_decode_attention if kernels is not None else None
-            elif gpu_kernels is not None and gpu_kernels.decode_attention_fits(s.head_dim,
-                                                                               s.num_heads // s.num_kv_heads):
+            elif attention_kernel:
                 self.kv_cache.decode_kernel = gpu_kernels.paged_decode_attention
         logger.info("model %s on %s/%s, KV cache %d blocks x %d tokens = %.1f MiB", model_dir.name, device,
                     dtype, num_blocks, block_size, self.kv_cache.num_bytes / 2**20)

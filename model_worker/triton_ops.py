@@ -20,9 +20,13 @@ a CPU path: tests run them through Triton's interpreter where triton is installe
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+
+logger = logging.getLogger(__name__)
 
 # A split of the context per program: long enough that its loads outweigh the join's.
 MIN_SPLIT_POSITIONS = 128
@@ -229,6 +233,13 @@ def _join_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_out_t, stride
     tl.store(out_ptr + seq * stride_out_t + head * stride_out_h + dims, out.to(out_ptr.dtype.element_ty))
 
 
+def decode_tile_positions(dtype: torch.dtype, head_dim: int) -> int:
+    """Key positions per tile of the decode attention: 64 for 16-bit heads of at most 128 (the tile
+    measured on an H100), else 32, whose keys and values fit the shared memory of GPUs with less of
+    it (head size 256 needs 80 KiB at 64 positions, over a T4's 64; float32 at 64 is over an A10's 100)."""
+    return 64 if dtype in (torch.bfloat16, torch.float16) and head_dim <= 128 else 32
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: float32 inputs in full precision ("ieee"; Triton's default rounds them
     to tf32, ~1e-3, where a --dtype float32 model expects float32 attention); 16-bit ones as they are."""
@@ -261,7 +272,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = q.new_empty(batch, num_heads, head_dim)
     if batch == 0:
         return out
-    block_n = 64
+    block_n = decode_tile_positions(q.dtype, head_dim)
     max_positions = block_tables.shape[1] * block_size
     num_splits = num_splits_for(batch, num_kv_heads, max_positions, block_n)
     split_len = triton.cdiv(triton.cdiv(max_positions, num_splits), block_n) * block_n
@@ -320,3 +331,36 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16,
         x, weight, out, num_rows, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=block_n,
         BLOCK_K=block_k, PRECISION=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+def kernels_run_here(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                     head_dim: int) -> tuple[bool, bool]:
+    """(decode attention, small-batch matmul) usable on this GPU for this model: each compiled and run
+    once on tiny inputs, since a tile can need more shared memory than an older GPU has (Triton then
+    refuses at launch, where a worker would fail at its first step). The matmul is also kept to
+    Hopper (compute capability 9.x), the only GPU it was measured against cuBLAS on."""
+    def runs(name: str, call) -> bool:
+        try:
+            call()
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # triton's OutOfResources or CompilationError, a driver error
+            logger.warning("Triton %s does not run on this GPU (%s: %s); torch ops instead", name,
+                           type(exc).__name__, exc)
+            return False
+        return True
+
+    def attention() -> None:
+        cache = torch.zeros(17, 16, num_kv_heads, head_dim, dtype=dtype, device=device)
+        q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+        seq_lens = torch.full((1,), 200, dtype=torch.long, device=device)
+        for width in (1, 16):  # one split and several: two compiled variants
+            paged_decode_attention(q, cache, cache, torch.arange(width, device=device)[None], seq_lens.clamp(max=16 * width),
+                                   0, 1.0)
+
+    def matmul() -> None:
+        small_batch_linear(torch.zeros(1, 1024, dtype=dtype, device=device),
+                           torch.zeros(64, 1024, dtype=dtype, device=device))
+
+    attention_runs = decode_attention_fits(head_dim, num_heads // num_kv_heads) and runs("decode attention", attention)
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    return attention_runs, hopper and dtype == torch.bfloat16 and runs("small-batch matmul", matmul)

@@ -135,6 +135,8 @@ def test_transformers_fallback_and_batch_invariance_refuse_graphs(tiny_model_dir
     assert Config().decode_graphs_on("cuda") and not Config().decode_graphs_on("cpu")
     assert not Config(batch_invariant=True).decode_graphs_on("cuda")
     assert not Config(cuda_graphs=False).decode_graphs_on("cuda")
+    # A transformers-fallback model gets none by default, where ModelRunner refuses graphs for it.
+    assert not Config().decode_graphs_on("cuda", native_model=False)
 
 
 def test_graph_runner_needs_a_padding_block(tiny_model_dir):

@@ -1,23 +1,49 @@
 """model_worker/triton_ops.py against the torch ops it replaces on CUDA (llama.py's and attention.py's).
 
 On a GPU (marked gpu) in bf16, where they must agree to bf16 rounding; elsewhere through Triton's
-interpreter (TRITON_INTERPRET=1) in float32, where its numpy arithmetic is exact but its bf16
+interpreter in float32, where its numpy arithmetic is exact but its bf16
 casts truncate. Skips where triton is not installed (CI's CPU machine has no triton)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined
-pytest.importorskip("triton")
+# Without a GPU the kernels run in Triton's interpreter, which reads TRITON_INTERPRET as triton is
+# imported, as the kernels are defined and as they run: set for those and during this module's tests
+# only, so the variable does not reach the processes other tests start.
+INTERPRETED = not torch.cuda.is_available()
 
-from model_worker import triton_ops  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+@contextlib.contextmanager
+def interpreting() -> Iterator[None]:
+    before = os.environ.get("TRITON_INTERPRET")
+    if INTERPRETED:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_while_testing() -> Iterator[None]:
+    with interpreting():
+        yield
+
+
+with interpreting():
+    pytest.importorskip("triton")
+    from model_worker import triton_ops
+
+if INTERPRETED:
     # The interpreter turns a scalar into an int with int() of a one-element array, which NumPy 2.4
     # refuses: a loop bounded by a kernel argument or a loaded value would fail here, not on a GPU.
     from triton.runtime import interpreter
@@ -29,6 +55,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = _patch_with_scalar_index
+
 from model_worker.attention_metadata import AttentionMetadata, DecodeBatch  # noqa: E402
 from model_worker.kv_cache import PagedKVCache  # noqa: E402
 from model_worker.models import llama  # noqa: E402
@@ -184,3 +211,22 @@ def _as_double(kv: PagedKVCache) -> PagedKVCache:
     double.key.copy_(kv.key)
     double.value.copy_(kv.value)
     return double
+
+
+def test_startup_probe_runs_the_kernels_and_falls_back_when_one_cannot(monkeypatch):
+    """kernels_run_here, as ModelRunner calls it on CUDA: both kernels run on tiny inputs; the matmul
+    only on Hopper; a kernel that fails to launch (as Triton's OutOfResources would) is left out."""
+    if not ON_GPU:  # the interpreter runs the kernels; fake what it has no CUDA for
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    hopper = torch.cuda.get_device_capability(DEVICE)[0] == 9
+    assert triton_ops.kernels_run_here(DEVICE, torch.bfloat16, 32, 8, 128) == (True, hopper)
+    assert triton_ops.kernels_run_here(DEVICE, torch.float32, 32, 8, 128) == (True, False)  # bf16 only
+    assert triton_ops.kernels_run_here(DEVICE, torch.bfloat16, 4, 2, 96) == (False, hopper)  # not a power of two
+
+    def out_of_resources(*args, **kwargs):
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(triton_ops, "paged_decode_attention", out_of_resources)
+    monkeypatch.setattr(triton_ops, "small_batch_linear", out_of_resources)
+    assert triton_ops.kernels_run_here(DEVICE, torch.bfloat16, 32, 8, 128) == (False, False)
