@@ -2,7 +2,7 @@
 
 On a GPU (marked gpu) in bf16, where they must agree to bf16 rounding; elsewhere through Triton's
 interpreter in float32, where its numpy arithmetic is exact but its bf16
-casts truncate. Skips where triton is not installed (CI's CPU machine has no triton)."""
+casts truncate (the test extra installs triton for that; it skips where triton is missing)."""
 
 from __future__ import annotations
 
@@ -44,17 +44,18 @@ with interpreting():
     from model_worker import triton_ops
 
 if INTERPRETED:
-    # The interpreter turns a scalar into an int with int() of a one-element array, which NumPy 2.4
-    # refuses: a loop bounded by a kernel argument or a loaded value would fail here, not on a GPU.
     from triton.runtime import interpreter
 
-    _patch_lang_tensor = interpreter._patch_lang_tensor
+    # The interpreter turns a scalar into an int with int() of a one-element array, which NumPy 2.4
+    # refuses: a loop bounded by a kernel argument or a loaded value would fail here, not on a GPU.
+    _patch_lang_tensor = getattr(interpreter, "_patch_lang_tensor", None)
 
     def _patch_with_scalar_index(tensor, scope):
         _patch_lang_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    interpreter._patch_lang_tensor = _patch_with_scalar_index
+    if _patch_lang_tensor is not None:
+        interpreter._patch_lang_tensor = _patch_with_scalar_index
 
 from model_worker.attention_metadata import AttentionMetadata, DecodeBatch  # noqa: E402
 from model_worker.kv_cache import PagedKVCache  # noqa: E402
