@@ -6,6 +6,7 @@ are exercised with real byte-level BPE pieces.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -16,6 +17,28 @@ import pytest
 import torch
 
 CACHE_DIR = Path(os.environ.get("TOKENWIRE_CACHE_DIR", Path.home() / ".cache" / "tokenwire"))
+
+
+def _import_triton_for_its_interpreter() -> None:
+    """Without CUDA, tests/test_triton_ops.py runs the kernels in Triton's interpreter, which must be
+    on when triton.language is first imported: its own helpers (tl.max, tl.sum...) are kernels too,
+    and ones made for a GPU cannot run in the interpreter. torch._dynamo and transformers import
+    triton along the way, so it is imported here first, then the variable is unset again so the
+    processes the tests start do not inherit it."""
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_import_triton_for_its_interpreter()
 
 
 def pytest_collection_modifyitems(config, items):
