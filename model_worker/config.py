@@ -90,8 +90,8 @@ class Config(WorkerServerOptions):
         "help": "CUDA: the Llama family's norms (fused with their residual adds), rotary embedding with the KV "
                 "cache write and silu(gate) * up, and (Llama family and GPT-2) decode attention reading the paged "
                 "cache in place and, bf16 on Hopper, a small-batch matmul, as Triton kernels "
-                "(model_worker/triton_ops.py: one kernel each per layer where torch ops launch ~70; the last two "
-                "are tried once at startup and left out where they cannot launch); off, or without triton: torch ops"})
+                "(model_worker/triton_ops.py: one kernel each per layer where torch ops launch ~70; each is tried "
+                "once at startup and left out where it cannot launch); off, or without triton: torch ops"})
     cuda_graphs: bool = field(default=True, metadata={
         "help": "CUDA: replay decode steps of up to min(--max-num-seqs, 256) sequences from captured CUDA graphs "
                 "(model_worker/cuda_graphs.py; checked against the eager forward at startup, eager if "

@@ -200,6 +200,8 @@ class ModelRunner:
         bf16_cpu_kernels = cpu_kernels and dtype == torch.bfloat16 and not batch_invariant
         # Their GPU counterparts (Triton), likewise left out of batch-invariant mode.
         gpu_kernels = triton_ops_module() if cuda_kernels and device.type == "cuda" and not batch_invariant else None
+        if gpu_kernels is not None and not gpu_kernels.small_ops_run_here(device, dtype):
+            gpu_kernels = None
         if isinstance(s, HFShape):
             logger.warning("architectures %s have no native model here: running them through transformers, "
                            "one sequence at a time, without prefix caching (slower)", s.architectures)

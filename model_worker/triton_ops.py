@@ -333,6 +333,35 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16,
     return out
 
 
+def _runs(device: torch.device, name: str, call) -> bool:
+    """Whether call() (Triton kernels on tiny inputs) compiles and runs on this GPU; a warning if not."""
+    try:
+        call()
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # triton's OutOfResources or CompilationError, a driver error, an old GPU
+        logger.warning("Triton %s does not run on this GPU (%s: %s); torch ops instead", name,
+                       type(exc).__name__, exc)
+        return False
+    return True
+
+
+def small_ops_run_here(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the norms, silu and rotary kernels compile and run on this GPU (once, on tiny inputs),
+    so a GPU or driver Triton cannot build for falls back to torch ops instead of failing at the first
+    step."""
+    def small_ops() -> None:
+        x = torch.zeros(1, 64, dtype=dtype, device=device)
+        add_rms_norm(x, x, x[0], 1e-5)
+        rms_norm(x, x[0], 1e-5)
+        silu_and_mul(x)
+        cache = torch.zeros(1, 16, 1, 16, dtype=dtype, device=device)
+        positions = torch.zeros(1, dtype=torch.long, device=device)
+        rope_and_cache(torch.zeros(1, 48, dtype=dtype, device=device), positions, x[:, :16], x[:, :16], cache, cache,
+                       positions, 1, 1)
+
+    return _runs(device, "norm, silu and rotary kernels", small_ops)
+
+
 def kernels_run_here(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                      head_dim: int) -> tuple[bool, bool]:
     """(decode attention, small-batch matmul) usable on this GPU for this model: each compiled and run
@@ -340,14 +369,7 @@ def kernels_run_here(device: torch.device, dtype: torch.dtype, num_heads: int, n
     refuses at launch, where a worker would fail at its first step). The matmul is also kept to
     Hopper (compute capability 9.x), the only GPU it was measured against cuBLAS on."""
     def runs(name: str, call) -> bool:
-        try:
-            call()
-            torch.cuda.synchronize(device)
-        except Exception as exc:  # triton's OutOfResources or CompilationError, a driver error
-            logger.warning("Triton %s does not run on this GPU (%s: %s); torch ops instead", name,
-                           type(exc).__name__, exc)
-            return False
-        return True
+        return _runs(device, name, call)
 
     def attention() -> None:
         cache = torch.zeros(17, 16, num_kv_heads, head_dim, dtype=dtype, device=device)

@@ -221,6 +221,7 @@ def test_startup_probe_runs_the_kernels_and_falls_back_when_one_cannot(monkeypat
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     hopper = torch.cuda.get_device_capability(DEVICE)[0] == 9
+    assert triton_ops.small_ops_run_here(DEVICE, DTYPE)
     assert triton_ops.kernels_run_here(DEVICE, torch.bfloat16, 32, 8, 128) == (True, hopper)
     assert triton_ops.kernels_run_here(DEVICE, torch.float32, 32, 8, 128) == (True, False)  # bf16 only
     assert triton_ops.kernels_run_here(DEVICE, torch.bfloat16, 4, 2, 96) == (False, hopper)  # not a power of two
@@ -230,4 +231,6 @@ def test_startup_probe_runs_the_kernels_and_falls_back_when_one_cannot(monkeypat
 
     monkeypatch.setattr(triton_ops, "paged_decode_attention", out_of_resources)
     monkeypatch.setattr(triton_ops, "small_batch_linear", out_of_resources)
+    monkeypatch.setattr(triton_ops, "rope_and_cache", out_of_resources)
     assert triton_ops.kernels_run_here(DEVICE, torch.bfloat16, 32, 8, 128) == (False, False)
+    assert not triton_ops.small_ops_run_here(DEVICE, DTYPE)
