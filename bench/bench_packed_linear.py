@@ -19,13 +19,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from bench.step_bench import run_step_bench  # noqa: E402
 from bench.workload import alternate_decode_steps  # noqa: E402
-from model_worker.models.linear import Linear  # noqa: E402
+from model_worker.model_runner import native_linear_layers as linear_layers  # noqa: E402 (other benches use it)
 from model_worker.sequence import SamplingParams  # noqa: E402
-
-
-def linear_layers(model) -> list[Linear]:
-    """Every Linear of a native model (its per-layer dicts and lm_head)."""
-    return [v for layer in model.layers for v in layer.values() if isinstance(v, Linear)] + [model.lm_head]
 
 
 def bench_batch(engine, batch: int, steps: int, base_id: int) -> dict[str, list[float]]:

@@ -368,9 +368,6 @@ def kernels_run_here(device: torch.device, dtype: torch.dtype, num_heads: int, n
     once on tiny inputs, since a tile can need more shared memory than an older GPU has (Triton then
     refuses at launch, where a worker would fail at its first step). The matmul is also kept to
     Hopper (compute capability 9.x), the only GPU it was measured against cuBLAS on."""
-    def runs(name: str, call) -> bool:
-        return _runs(device, name, call)
-
     def attention() -> None:
         cache = torch.zeros(17, 16, num_kv_heads, head_dim, dtype=dtype, device=device)
         q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
@@ -383,6 +380,6 @@ def kernels_run_here(device: torch.device, dtype: torch.dtype, num_heads: int, n
         small_batch_linear(torch.zeros(1, 1024, dtype=dtype, device=device),
                            torch.zeros(64, 1024, dtype=dtype, device=device))
 
-    attention_runs = decode_attention_fits(head_dim, num_heads // num_kv_heads) and runs("decode attention", attention)
+    attention_runs = decode_attention_fits(head_dim, num_heads // num_kv_heads) and _runs(device, "decode attention", attention)
     hopper = torch.cuda.get_device_capability(device)[0] == 9
-    return attention_runs, hopper and dtype == torch.bfloat16 and runs("small-batch matmul", matmul)
+    return attention_runs, hopper and dtype == torch.bfloat16 and _runs(device, "small-batch matmul", matmul)
