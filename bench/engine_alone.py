@@ -31,6 +31,7 @@ from model_worker.config import Config  # noqa: E402
 from model_worker.engine import LLMEngine, RequestRejected  # noqa: E402
 from model_worker.sequence import FinishReason, SamplingParams  # noqa: E402
 from tokenwire.config_cli import parse_config  # noqa: E402
+from tokenwire.gc_heap import freeze_startup_heap  # noqa: E402
 
 
 def build_engine(config: Config) -> tuple[LLMEngine, Path]:
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = make_prompts(load_tokenizer(model_dir), workload.pool_size, workload.prompt_len, workload.seed)
     driver = EngineDriver(engine, workload.output_tokens, sampling=SamplingParams(**args.sampling))
     driver.warm_up(workload.warmup_prompts(pool)[:1])
+    freeze_startup_heap("engine alone")  # as the model worker does once it has built its engine
     summaries: list[LevelSummary] = []
     for level in workload.levels():
         summary = summarize(driver.run_level(level.prompts(pool), level, workload.seed),

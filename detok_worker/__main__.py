@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from detok_worker.config import Config
 from detok_worker.servicer import SERVICE_FULL_NAME, DetokenizerServicer
+from detok_worker.token_bytes import TokenizerDecoding
+from detok_worker.token_table import decoding_with_tables
 from tokenwire.config_cli import parse_config
+from tokenwire.gc_heap import freeze_startup_heap
 from tokenwire.grpc_server import (
     add_health_and_reflection,
     mark_serving,
@@ -20,14 +24,31 @@ from tokenwire.grpc_server import (
     wait_quiet,
 )
 from tokenwire.sched_slice import use_serving_slice
-from tokenwire.v1 import detok_worker_pb2_grpc
+from tokenwire.v1 import common_pb2, detok_worker_pb2_grpc
 
 logger = logging.getLogger("detok_worker")
 
 
+def decoding_then_freeze() -> Callable[[common_pb2.TokenizerIdentity], TokenizerDecoding]:
+    """decoding_with_tables, and the first time a tokenizer loads (with its tables), the heap
+    frozen out of later full collections (tokenwire/gc_heap.py): the gateway's warm-up
+    RenderTokens pays it, before any stream opens."""
+    frozen: set[tuple[str, str]] = set()
+
+    def open_decoding(identity: common_pb2.TokenizerIdentity) -> TokenizerDecoding:
+        decoding = decoding_with_tables(identity)
+        key = (identity.path, identity.sha256)
+        if key not in frozen:
+            frozen.add(key)
+            freeze_startup_heap(f"detok worker, tokenizer {identity.path}")
+        return decoding
+
+    return open_decoding
+
+
 async def serve(config: Config) -> None:
     server = new_server()
-    servicer = DetokenizerServicer()
+    servicer = DetokenizerServicer(decoding_then_freeze())
     detok_worker_pb2_grpc.add_DetokenizerServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, [SERVICE_FULL_NAME])
     await mark_serving(health_servicer, [SERVICE_FULL_NAME])

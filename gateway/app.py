@@ -62,6 +62,7 @@ from gateway.responses import (
 )
 from gateway.token_rendering import TokenIdLabels, TokenRenderer
 from gateway.tool_parsers import TOOL_CALL_PARSERS
+from tokenwire.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ def create_app(config: Config) -> FastAPI:
         app.state.pipeline = pipeline
         app.state.served_model_name = config.served_model_name or pipeline.model_info.model_id
         app.state.created = int(time.time())
+        freeze_startup_heap("gateway")  # the tokenizer and token tables are loaded by now
         logger.info("serving %s", app.state.served_model_name)
         try:
             yield

@@ -133,6 +133,12 @@ class RequestState:
                 finish_reason = _OPENAI_FINISH_REASON.get(self.model_finish_reason, "stop")
         start = self.num_emitted
         self.num_emitted = max(end, start)
+        if not delta.finished:
+            # What the client has been given so far, not what has arrived from the model worker:
+            # its frames may run ahead of the detok worker's replies, and a running usage
+            # (continuous_usage_stats) that counted them said 13 tokens on a chunk that ended
+            # at the 5th.
+            num_output_tokens = self.num_emitted
         self.num_events += 1
         return GenerationEvent(
             text=delta.text,

@@ -26,6 +26,7 @@ from model_worker.servicer import ModelWorkerServicer
 from model_worker.structured_output import GrammarCompiler
 from tokenwire import grpc_server
 from tokenwire.config_cli import parse_config
+from tokenwire.gc_heap import freeze_startup_heap
 from tokenwire.sched_slice import use_serving_slice
 from tokenwire.tokenizer_files import num_token_ids, tokenizer_identity
 from tokenwire.v1 import model_worker_pb2 as pb
@@ -156,7 +157,8 @@ async def serve(config: Config) -> None:
             grammar_compiler = GrammarCompiler.from_tokenizer_file(tokenizer_json, runner.vocab_size, eos_ids)
         except ValueError as exc:  # e.g. an EOS id the tokenizer does not have: serve, without constraints
             logger.warning("structured output is off: llguidance refused %s: %s", tokenizer_json, exc)
-    loop = EngineLoop(engine, grammar_compiler, engine_thread)
+    freeze_startup_heap("model worker")
+    loop = EngineLoop(engine, grammar_compiler, engine_thread, config.stream_interval)
     # Started inside the try: its thread waits for work until stop(), and a process whose
     # startup failed after it started would otherwise never exit.
     try:

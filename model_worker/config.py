@@ -46,6 +46,10 @@ class Config(WorkerServerOptions):
     max_best_of: int = field(default=16, metadata={"help": "largest n / best_of a request may ask for"})
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "token budget of one engine step (prefill tokens + one per decode)"})
+    stream_interval: int = field(default=1, metadata={
+        "help": "send a request's tokens at most every N steps (its first token and its end at once), as "
+                "SGLang's and vLLM's --stream-interval: fewer, larger frames, text deltas and SSE events "
+                "for smoother throughput under load, at the cost of burstier streams; 1: every step"})
     max_waiting_requests: int = field(default=1024, metadata={
         "help": "queued requests beyond which adds are refused with RESOURCE_EXHAUSTED"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0: torch's default"})
@@ -113,7 +117,8 @@ class Config(WorkerServerOptions):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, not {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "block_size", "max_best_of"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "block_size", "max_best_of",
+                     "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_model_len < 0 or self.num_threads < 0:

@@ -41,7 +41,7 @@ from model_worker.engine import (
     SequenceOutput,
     abort_outputs_unstarted,
 )
-from model_worker.sequence import SamplingParams
+from model_worker.sequence import FinishReason, SamplingParams
 from model_worker.structured_output import CompiledGrammar, Constraint, GrammarCompiler, GrammarError
 
 logger = logging.getLogger(__name__)
@@ -181,8 +181,16 @@ class EngineLoop:
     _lock) and in the batches _flush hands to the event loop."""
 
     def __init__(self, engine: LLMEngine, grammar_compiler: GrammarCompiler | None = None,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 executor: ThreadPoolExecutor | None = None, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, not {stream_interval}")
         self.engine = engine
+        # A request's plain tokens (neither its first nor its last) go out at most every
+        # stream_interval steps (see _hold): SGLang's and vLLM's --stream-interval.
+        self.stream_interval = stream_interval
+        self._passes = 0  # engine thread: steps run so far
+        # engine thread: seq_id -> (the pass its oldest held item came from, the held items)
+        self._held: dict[int, tuple[int, list[_Delivery]]] = {}
         self.grammar_compiler = grammar_compiler
         self._compiling: dict[int, tuple[StreamOutbox, NewRequest]] = {}  # by seq_id; event loop only
         # One thread: the engine is single-threaded, and torch uses its own pool inside. Pass the
@@ -334,6 +342,32 @@ class EngineLoop:
     def _emit(self, outbox: StreamOutbox, item, ended: tuple[str, int] | None = None) -> None:
         self._deliveries.append((outbox, item, ended))
 
+    # --stream-interval: every item the event loop frames costs each hop after it (a frame entry, a
+    # detok delta, an SSE event the client reads) about the same whatever the tokens it carries,
+    # so holding a request's plain tokens for a few steps divides that cost. Its first token (TTFT)
+    # and its end (and anything else: aborts, failures) never wait, and release what it holds first,
+    # so its items keep their order.
+
+    def _hold(self, seq_id: int, delivery: _Delivery) -> None:
+        held = self._held.get(seq_id)
+        if held is None:
+            self._held[seq_id] = (self._passes, [delivery])
+        else:
+            held[1].append(delivery)
+
+    def _release(self, seq_id: int) -> None:
+        held = self._held.pop(seq_id, None)
+        if held is not None:
+            self._deliveries.extend(held[1])
+
+    def _release_due(self) -> None:
+        """End of a pass: what has waited stream_interval passes goes out (a preempted request's
+        tokens too, whether or not it got more meanwhile)."""
+        oldest_due = self._passes - self.stream_interval + 1
+        due = [seq_id for seq_id, (first_pass, _) in self._held.items() if first_pass <= oldest_due]
+        for seq_id in due:
+            self._release(seq_id)
+
     def _flush(self) -> None:
         """Hands this pass's items to the event loop. A pass that produced some request's first
         token then waits (at most FIRST_TOKEN_HANDOFF_S) until the event loop has framed and sent
@@ -388,6 +422,7 @@ class EngineLoop:
                     self._emit(failure_outbox, failure)
                 continue
             outbox, request_id = owner
+            self._release(seq_id)
             beam_request = self._beam_requests.pop(seq_id, None)
             if beam_request is not None:
                 for round_seq_id in beam_request.in_flight:
@@ -456,6 +491,13 @@ class EngineLoop:
             if owner is None:  # aborted while the step ran; its abort output was sent
                 continue
             outbox, request_id = owner
+            if (self.stream_interval > 1 and out.token_id is not None and out.num_output_tokens > 1
+                    and out.finish_reason == FinishReason.NONE and out.error is None
+                    and out.prompt_logprobs is None):
+                self._hold(out.seq_id, (outbox, (request_id, out), None))
+                continue
+            if self._held:
+                self._release(out.seq_id)
             ended = None
             if out.request_finished:
                 del self._owners[out.seq_id]
@@ -471,7 +513,11 @@ class EngineLoop:
             try:
                 self._apply_pending()
                 if self.engine.has_work():
-                    self._route(self.engine.step())
+                    outputs = self.engine.step()
+                    self._passes += 1
+                    self._route(outputs)
+                    if self._held:
+                        self._release_due()
             except Exception:
                 logger.exception("engine step failed; failing its requests")
                 try:
@@ -490,6 +536,7 @@ class EngineLoop:
 
     def _fail_all(self, message: str) -> None:
         for seq_id, (outbox, request_id) in list(self._owners.items()):
+            self._release(seq_id)
             try:
                 self.engine.abort_request(seq_id)
             except Exception:  # the failure may have left it half-added; free what can be freed

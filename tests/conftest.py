@@ -105,12 +105,14 @@ def head_dim_64_model_dir(tiny_model_dir: Path, tmp_path: Path) -> Path:
     return tmp_path
 
 
-def tiny_stack(tiny_model_dir: Path, max_model_len: int, **kwargs):
-    """The three services on loopback over the tiny random model (a context manager)."""
+def tiny_stack(tiny_model_dir: Path, max_model_len: int, *model_worker_flags: str, **kwargs):
+    """The three services on loopback over the tiny random model (a context manager); extra
+    model worker flags after max_model_len."""
     from tokenwire.stack import start_stack
 
     return start_stack(["--model", str(tiny_model_dir), "--load-format", "dummy", "--max-num-seqs", "8",
-                        "--max-model-len", str(max_model_len), "--device", "cpu"], timeout_s=180, **kwargs)
+                        "--max-model-len", str(max_model_len), "--device", "cpu", *model_worker_flags],
+                       timeout_s=180, **kwargs)
 
 
 @contextmanager

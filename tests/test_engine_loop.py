@@ -443,3 +443,90 @@ async def test_a_first_token_is_sent_before_the_next_step_starts(started, monkey
     assert [o.num_output_tokens for o in items["a"]] == list(range(1, 301))
     assert steps_when_queued[0] == 1  # the first token reached the event loop before step 2 ran
     # (that later passes do not wait: test_steps_do_not_wait_for_the_event_loop)
+
+
+def record_passes(loop: EngineLoop, engine: ScriptedEngine) -> list[tuple[int, list]]:
+    """Each pass's handover as (engine steps so far, [(request_id, token_id or None, finish_reason)])."""
+    passes: list[tuple[int, list]] = []
+    put = loop._handover.put
+
+    def recording_put(batch: list) -> None:
+        passes.append((engine.steps, [(item[0], item[1].token_id, item[1].finish_reason)
+                                      for outbox, item, ended in batch
+                                      if outbox is not None and not isinstance(item, RequestFailure)]))
+        put(batch)
+
+    loop._handover.put = recording_put
+    return passes
+
+
+async def test_stream_interval_holds_plain_tokens_and_never_the_first_or_the_last():
+    engine = ScriptedEngine(step_s=0.001)
+    loop = EngineLoop(engine, stream_interval=4)
+    loop.start()
+    try:
+        passes = record_passes(loop, engine)
+        outbox = StreamOutbox()
+        loop.add(outbox, new_request("a", 10))
+        items = (await collect(outbox, {"a"}))["a"]
+    finally:
+        await loop.stop()
+    # Every token arrives once, in order, and the request ends as without the interval.
+    assert [out.token_id for out in items] == list(range(1, 11))
+    assert items[-1].finish_reason == FinishReason.LENGTH and not outbox.live
+    # Token n came from step n: the first alone at once, then 2-5 handed over at step 5 and 6-9 at
+    # step 9, and the last (10) at once, not held for the steps it would take to fill 4.
+    assert [(steps, [token for _, token, _ in batch]) for steps, batch in passes] == [
+        (1, [1]), (5, [2, 3, 4, 5]), (9, [6, 7, 8, 9]), (10, [10])]
+
+
+async def test_stream_interval_releases_held_tokens_before_an_abort():
+    engine = ScriptedEngine(step_s=0.002)
+    loop = EngineLoop(engine, stream_interval=1000)
+    loop.start()
+    try:
+        outbox = StreamOutbox()
+        loop.add(outbox, new_request("a", 100_000))
+        await collect_first(outbox)
+        while engine.steps < 5:
+            await asyncio.sleep(0.005)
+        assert outbox.queue.empty()  # steps 2.. are held
+        loop.abort(outbox, "a")
+        items = (await collect(outbox, {"a"}))["a"]
+    finally:
+        await loop.stop()
+    # The held tokens, in order and none lost, then the abort.
+    tokens = [out.token_id for out in items[:-1]]
+    assert len(tokens) >= 4 and tokens == list(range(2, 2 + len(tokens)))
+    assert items[-1].finish_reason == FinishReason.ABORT and items[-1].token_id is None
+    assert not outbox.live
+
+
+async def test_stream_interval_counts_steps_per_request():
+    """A request that starts later is held on its own schedule; each gets every token once."""
+    engine = ScriptedEngine(step_s=0.001)
+    loop = EngineLoop(engine, stream_interval=3)
+    loop.start()
+    try:
+        passes = record_passes(loop, engine)
+        outbox = StreamOutbox()
+        loop.add(outbox, new_request("a", 12))
+        first_of_a = (await asyncio.wait_for(outbox.queue.get(), 10))[1]
+        loop.add(outbox, new_request("b", 7))
+        items = await collect(outbox, {"a", "b"})
+    finally:
+        await loop.stop()
+    items["a"].insert(0, first_of_a)
+    assert len(items["a"]) == 12 and len(items["b"]) == 7
+    for request_id in ("a", "b"):
+        tokens = [out.token_id for out in items[request_id]]
+        assert tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+        # Handed over: the first token, then every 3 steps (3 tokens each), then the rest with the end.
+        sizes = [sum(1 for rid, _, _ in batch if rid == request_id) for _, batch in passes]
+        sizes = [size for size in sizes if size]
+        assert sizes[0] == 1 and all(size == 3 for size in sizes[1:-1]) and 1 <= sizes[-1] <= 3
+
+
+def test_stream_interval_below_one_is_refused():
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineLoop(ScriptedEngine(), stream_interval=0)

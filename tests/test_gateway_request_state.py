@@ -43,6 +43,25 @@ def test_tokens_ride_with_the_next_text() -> None:
     assert state.take_event(delta("c")).token_ids == [12]
 
 
+def test_the_running_count_is_of_tokens_given_out_not_of_tokens_arrived() -> None:
+    """Model worker frames can run ahead of the detok worker's replies: an event's count
+    (continuous usage stats) is what the client has so far."""
+    state = RequestState("r", 4)
+    for ids in ([10], [11, 12], [13, 14]):
+        state.record_tokens(tokens(ids))
+    counts = []
+    for text, num_tokens in (("a", 1), ("bc", 2), ("de", 2)):
+        reply = delta(text)
+        reply.num_tokens = num_tokens
+        event = state.take_event(reply)
+        counts.append((len(event.token_ids), event.num_output_tokens))
+    assert counts == [(1, 1), (2, 3), (2, 5)]
+    state.record_tokens(tokens([15], finish=model_worker_pb2.FINISH_REASON_LENGTH))
+    last = delta("f", finished=True)
+    last.num_tokens = 1
+    assert state.take_event(last).num_output_tokens == 6
+
+
 @pytest.mark.parametrize(("model_finish", "expected"), [
     (model_worker_pb2.FINISH_REASON_STOP, "stop"), (model_worker_pb2.FINISH_REASON_LENGTH, "length"),
 ])
