@@ -22,7 +22,7 @@ def main() -> None:
     use_serving_slice(config, "gateway", whole_process=True)  # uvicorn and gRPC start theirs later: they inherit it
     # On SIGTERM uvicorn stops accepting, lets open requests (streams included) finish for up to
     # drain_grace_s, then runs the lifespan's shutdown.
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+    uvicorn.run(create_app(config, freeze_heap=True), host=config.host, port=config.port, log_level=config.log_level,
                 timeout_graceful_shutdown=config.drain_grace_s,
                 access_log=False,  # gateway.access logs each request with latency and token counts
                 ssl_certfile=config.tls_cert_file or None, ssl_keyfile=config.tls_key_file or None)

@@ -94,7 +94,9 @@ def _generation_responses(full: type[BaseModel], chunk: type[BaseModel]) -> dict
             **ERROR_RESPONSES}
 
 
-def create_app(config: Config) -> FastAPI:
+def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
+    """freeze_heap: once started, keep the process's heap out of later full garbage collections
+    (tokenwire/gc_heap.py); for the gateway's own process, not for apps run inside another's."""
     metrics = GatewayMetrics()
 
     @asynccontextmanager
@@ -103,7 +105,8 @@ def create_app(config: Config) -> FastAPI:
         app.state.pipeline = pipeline
         app.state.served_model_name = config.served_model_name or pipeline.model_info.model_id
         app.state.created = int(time.time())
-        freeze_startup_heap("gateway")  # the tokenizer and token tables are loaded by now
+        if freeze_heap:  # the tokenizer and token tables are loaded by now
+            freeze_startup_heap("gateway")
         logger.info("serving %s", app.state.served_model_name)
         try:
             yield

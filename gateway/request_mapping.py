@@ -260,6 +260,9 @@ def add_request(request_id: str, prompt_token_ids: Sequence[int],
         best_of=params.best_of,
         use_beam_search=params.use_beam_search,
         diversity_penalty=params.diversity_penalty,
+        # Stop strings are matched in the detok worker, and the request is aborted once one is
+        # read: tokens held for the model worker's --stream-interval would end it that much later.
+        stream_interval=1 if params.stop else 0,
     )
     if params.prompt_logprobs is not None:
         add.prompt_logprobs = params.prompt_logprobs

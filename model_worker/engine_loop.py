@@ -64,6 +64,7 @@ class NewRequest:
     constraint: Constraint | None = None
     grammar: CompiledGrammar | None = None  # set once constraint has compiled
     grammar_wait: GrammarWait | None = None  # the constraint starts later (after the thinking)
+    stream_interval: int = 0  # AddRequest.stream_interval: 0 the loop's own, 1 every step
 
 
 @dataclass
@@ -186,10 +187,13 @@ class EngineLoop:
             raise ValueError(f"stream_interval must be >= 1, not {stream_interval}")
         self.engine = engine
         # A request's plain tokens (neither its first nor its last) go out at most every
-        # stream_interval steps (see _hold): SGLang's and vLLM's --stream-interval.
+        # stream_interval steps (see _hold): SGLang's and vLLM's --stream-interval; a request may
+        # ask for its own (NewRequest.stream_interval).
         self.stream_interval = stream_interval
         self._passes = 0  # engine thread: steps run so far
-        # engine thread: seq_id -> (the pass its oldest held item came from, the held items)
+        # engine thread: seq_id -> its interval, for requests held at all (interval > 1)
+        self._interval_of: dict[int, int] = {}
+        # engine thread: seq_id -> (the pass by which its held items go out, the held items)
         self._held: dict[int, tuple[int, list[_Delivery]]] = {}
         self.grammar_compiler = grammar_compiler
         self._compiling: dict[int, tuple[StreamOutbox, NewRequest]] = {}  # by seq_id; event loop only
@@ -348,10 +352,10 @@ class EngineLoop:
     # and its end (and anything else: aborts, failures) never wait, and release what it holds first,
     # so its items keep their order.
 
-    def _hold(self, seq_id: int, delivery: _Delivery) -> None:
+    def _hold(self, seq_id: int, interval: int, delivery: _Delivery) -> None:
         held = self._held.get(seq_id)
         if held is None:
-            self._held[seq_id] = (self._passes, [delivery])
+            self._held[seq_id] = (self._passes + interval - 1, [delivery])
         else:
             held[1].append(delivery)
 
@@ -361,10 +365,9 @@ class EngineLoop:
             self._deliveries.extend(held[1])
 
     def _release_due(self) -> None:
-        """End of a pass: what has waited stream_interval passes goes out (a preempted request's
-        tokens too, whether or not it got more meanwhile)."""
-        oldest_due = self._passes - self.stream_interval + 1
-        due = [seq_id for seq_id, (first_pass, _) in self._held.items() if first_pass <= oldest_due]
+        """End of a pass: what has waited its request's interval in passes goes out (a preempted
+        request's tokens too, whether or not it got more meanwhile)."""
+        due = [seq_id for seq_id, (due_pass, _) in self._held.items() if due_pass <= self._passes]
         for seq_id in due:
             self._release(seq_id)
 
@@ -401,11 +404,15 @@ class EngineLoop:
                                         req.stop_token_ids, req.ignore_eos, req.n, req.best_of,
                                         grammar=req.grammar, grammar_wait=req.grammar_wait)
                 self._owners[seq_id] = (outbox, req.request_id)
+                interval = req.stream_interval or self.stream_interval
+                if interval > 1:
+                    self._interval_of[seq_id] = interval
             except RequestRejected as exc:
                 self._emit(outbox, RequestFailure(req.request_id, exc.code, exc.message, exc.field), (req.request_id, seq_id))
             except Exception:  # a bug, not bad input: end this request only; the others go on
                 logger.exception("adding request %s failed", req.request_id)
                 self._owners.pop(seq_id, None)
+                self._interval_of.pop(seq_id, None)
                 try:
                     self.engine.abort_request(seq_id)  # in case it got half in
                 except Exception:
@@ -423,6 +430,7 @@ class EngineLoop:
                 continue
             outbox, request_id = owner
             self._release(seq_id)
+            self._interval_of.pop(seq_id, None)
             beam_request = self._beam_requests.pop(seq_id, None)
             if beam_request is not None:
                 for round_seq_id in beam_request.in_flight:
@@ -491,16 +499,18 @@ class EngineLoop:
             if owner is None:  # aborted while the step ran; its abort output was sent
                 continue
             outbox, request_id = owner
-            if (self.stream_interval > 1 and out.token_id is not None and out.num_output_tokens > 1
+            interval = self._interval_of.get(out.seq_id) if self._interval_of else None
+            if (interval is not None and out.token_id is not None and out.num_output_tokens > 1
                     and out.finish_reason == FinishReason.NONE and out.error is None
                     and out.prompt_logprobs is None):
-                self._hold(out.seq_id, (outbox, (request_id, out), None))
+                self._hold(out.seq_id, interval, (outbox, (request_id, out), None))
                 continue
             if self._held:
                 self._release(out.seq_id)
             ended = None
             if out.request_finished:
                 del self._owners[out.seq_id]
+                self._interval_of.pop(out.seq_id, None)
                 ended = (request_id, out.seq_id)
             if out.num_output_tokens == 1 and out.token_id is not None:
                 self._first_tokens_in_pass = True
@@ -543,6 +553,7 @@ class EngineLoop:
                 logger.exception("aborting request %s after a failed step", request_id)
             self._emit(outbox, RequestFailure(request_id, grpc.StatusCode.INTERNAL, message), (request_id, seq_id))
         self._owners.clear()
+        self._interval_of.clear()
         for beam_request in self._beam_requests.values():
             beam_request.abort()
         self._beam_requests.clear()

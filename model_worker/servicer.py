@@ -258,6 +258,7 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                             diversity_penalty=add.diversity_penalty,
                             constraint=constraint_from_proto(add.structured_output),
                             grammar_wait=grammar_wait_from_proto(add.structured_output),
+                            stream_interval=add.stream_interval,
                         ))
                 for abort in frame.aborts:
                     if abort.indexes:

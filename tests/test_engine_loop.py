@@ -530,3 +530,37 @@ async def test_stream_interval_counts_steps_per_request():
 def test_stream_interval_below_one_is_refused():
     with pytest.raises(ValueError, match="stream_interval"):
         EngineLoop(ScriptedEngine(), stream_interval=0)
+
+
+async def test_a_request_may_ask_for_its_own_stream_interval():
+    """AddRequest.stream_interval: 1 streams every step on a loop that holds (the gateway asks for
+    it with stop strings); more than 1 holds on a loop that does not."""
+    engine = ScriptedEngine(step_s=0.001)
+    loop = EngineLoop(engine, stream_interval=4)
+    loop.start()
+    try:
+        passes = record_passes(loop, engine)
+        outbox = StreamOutbox()
+        every_step = new_request("every", 6)
+        every_step.stream_interval = 1
+        loop.add(outbox, every_step)
+        await collect(outbox, {"every"})
+    finally:
+        await loop.stop()
+    assert [[token for _, token, _ in batch] for _, batch in passes] == [[1], [2], [3], [4], [5], [6]]
+
+    engine = ScriptedEngine(step_s=0.001)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        passes = record_passes(loop, engine)
+        outbox = StreamOutbox()
+        held = new_request("held", 8)
+        held.stream_interval = 3
+        loop.add(outbox, held)
+        items = (await collect(outbox, {"held"}))["held"]
+    finally:
+        await loop.stop()
+    assert [out.token_id for out in items] == list(range(1, 9))
+    assert [[token for _, token, _ in batch] for _, batch in passes] == [[1], [2, 3, 4], [5, 6, 7], [8]]
+    assert not loop._interval_of and not loop._held  # nothing left of ended requests

@@ -107,6 +107,15 @@ def test_every_sampling_parameter_reaches_the_add_request() -> None:
     assert add.request_id == "r1" and list(add.prompt_token_ids) == [5, 6, 7]
 
 
+def test_requests_with_stop_strings_ask_the_model_worker_to_stream_every_step() -> None:
+    """The detok worker finds stop strings; tokens held by the model worker's --stream-interval
+    would end such a request steps late. Without stop strings the worker's own interval holds."""
+    assert add_for(completion(stop=["\n\n"])).stream_interval == 1
+    assert add_for(completion(stop="END")).stream_interval == 1
+    assert add_for(completion()).stream_interval == 0
+    assert add_for(completion(stop=[])).stream_interval == 0
+
+
 def test_top_k_minus_one_is_off() -> None:
     assert add_for(chat(top_k=-1)).sampling.top_k == 0
 

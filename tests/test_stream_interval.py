@@ -51,7 +51,7 @@ def test_streamed_tokens_come_in_groups_and_say_what_the_whole_answer_says(clien
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
-def test_a_stop_string_inside_a_held_group_still_ends_the_text_there(client: openai.OpenAI, model: str):
+def test_a_stop_string_still_ends_the_text_where_it_matches(client: openai.OpenAI, model: str):
     kwargs = dict(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                   extra_body={"ignore_eos": True})
     text = client.completions.create(**kwargs).choices[0].text
