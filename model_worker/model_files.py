@@ -45,16 +45,50 @@ def default_gguf_path() -> Path:
     return ggufs[0]
 
 
-def _gguf_cache_key(gguf: Path) -> str:
+_DIGESTS_FILE = "gguf_digests.json"
+
+
+def gguf_digest(gguf: Path, cache_dir: Path) -> str:
+    """The file's SHA-256, read once per (path, size, mtime) and remembered in cache_dir.
+
+    The conversion cache is keyed by content, not path: the default model's GGUF sits in each
+    venv's site-packages, and a key with the path converted it again (517 MB, ~20 s) for every
+    checkout with its own venv."""
     stat = gguf.stat()
-    ident = f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{_CACHE_FORMAT}"
+    where = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    index_path = cache_dir / _DIGESTS_FILE
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    digest = index.get(where) if isinstance(index, dict) else None
+    if isinstance(digest, str):
+        return digest
+    sha = hashlib.sha256()
+    with gguf.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            sha.update(block)
+    digest = sha.hexdigest()
+    index = {**(index if isinstance(index, dict) else {}), where: digest}
+    try:  # a lost race with another process only costs it a hash later
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        scratch = index_path.with_name(f".{_DIGESTS_FILE}.{os.getpid()}")
+        scratch.write_text(json.dumps(index, indent=1))
+        os.replace(scratch, index_path)
+    except OSError:
+        pass
+    return digest
+
+
+def _gguf_cache_key(gguf: Path, cache_dir: Path) -> str:
+    ident = f"{gguf_digest(gguf, cache_dir)}|{_CACHE_FORMAT}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Returns a directory with config.json, model.safetensors and tokenizer files for gguf,
     converting it on the first call (transformers shows a progress bar while it does)."""
-    target = cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf)}"
+    target = cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf, cache_dir)}"
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
     import torch

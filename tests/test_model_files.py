@@ -1,0 +1,44 @@
+"""The GGUF conversion cache is keyed by the file's content (model_worker/model_files.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from model_worker import model_files
+from model_worker.model_files import _gguf_cache_key, gguf_digest
+
+
+def test_the_same_gguf_at_two_paths_shares_one_conversion_and_another_does_not(tmp_path):
+    cache = tmp_path / "cache"
+    first = tmp_path / "venv1" / "model.gguf"
+    second = tmp_path / "venv2" / "model.gguf"
+    other = tmp_path / "venv3" / "model.gguf"
+    for path, content in ((first, b"GGUF" + bytes(range(256)) * 4096), (second, b"GGUF" + bytes(range(256)) * 4096),
+                          (other, b"GGUF" + bytes(range(255, -1, -1)) * 4096)):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    assert gguf_digest(first, cache) == hashlib.sha256(first.read_bytes()).hexdigest()
+    assert _gguf_cache_key(first, cache) == _gguf_cache_key(second, cache)
+    assert _gguf_cache_key(other, cache) != _gguf_cache_key(first, cache)  # same size, other bytes
+
+
+def test_a_digest_is_read_once_per_path_size_and_mtime(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF one")
+    digest = gguf_digest(gguf, cache)
+
+    class NoHashing:
+        def __init__(self, *args):
+            raise AssertionError("hashed again")
+
+    monkeypatch.setattr(model_files.hashlib, "sha256", NoHashing)
+    assert gguf_digest(gguf, cache) == digest  # remembered in the cache dir
+    gguf.write_bytes(b"GGUF two")  # rewritten in place: another mtime (and content)
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(AssertionError, match="hashed again"):
+        gguf_digest(gguf, cache)
