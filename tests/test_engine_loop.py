@@ -4,6 +4,7 @@ and only adds, aborts and outputs cross to the event loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import threading
@@ -460,17 +461,24 @@ def record_passes(loop: EngineLoop, engine: ScriptedEngine) -> list[tuple[int, l
     return passes
 
 
-async def test_stream_interval_holds_plain_tokens_and_never_the_first_or_the_last():
-    engine = ScriptedEngine(step_s=0.001)
-    loop = EngineLoop(engine, stream_interval=4)
+@contextlib.asynccontextmanager
+async def recorded_loop(stream_interval: int = 1, step_s: float = 0.001):
+    """A started EngineLoop over a ScriptedEngine: (loop, engine, its passes as record_passes
+    records them); stopped after."""
+    engine = ScriptedEngine(step_s=step_s)
+    loop = EngineLoop(engine, stream_interval=stream_interval)
     loop.start()
     try:
-        passes = record_passes(loop, engine)
+        yield loop, engine, record_passes(loop, engine)
+    finally:
+        await loop.stop()
+
+
+async def test_stream_interval_holds_plain_tokens_and_never_the_first_or_the_last():
+    async with recorded_loop(stream_interval=4) as (loop, _, passes):
         outbox = StreamOutbox()
         loop.add(outbox, new_request("a", 10))
         items = (await collect(outbox, {"a"}))["a"]
-    finally:
-        await loop.stop()
     # Every token arrives once, in order, and the request ends as without the interval.
     assert [out.token_id for out in items] == list(range(1, 11))
     assert items[-1].finish_reason == FinishReason.LENGTH and not outbox.live
@@ -481,10 +489,7 @@ async def test_stream_interval_holds_plain_tokens_and_never_the_first_or_the_las
 
 
 async def test_stream_interval_releases_held_tokens_before_an_abort():
-    engine = ScriptedEngine(step_s=0.002)
-    loop = EngineLoop(engine, stream_interval=1000)
-    loop.start()
-    try:
+    async with recorded_loop(stream_interval=1000, step_s=0.002) as (loop, engine, _):
         outbox = StreamOutbox()
         loop.add(outbox, new_request("a", 100_000))
         await collect_first(outbox)
@@ -493,8 +498,6 @@ async def test_stream_interval_releases_held_tokens_before_an_abort():
         assert outbox.queue.empty()  # steps 2.. are held
         loop.abort(outbox, "a")
         items = (await collect(outbox, {"a"}))["a"]
-    finally:
-        await loop.stop()
     # The held tokens, in order and none lost, then the abort.
     tokens = [out.token_id for out in items[:-1]]
     assert len(tokens) >= 4 and tokens == list(range(2, 2 + len(tokens)))
@@ -504,18 +507,12 @@ async def test_stream_interval_releases_held_tokens_before_an_abort():
 
 async def test_stream_interval_counts_steps_per_request():
     """A request that starts later is held on its own schedule; each gets every token once."""
-    engine = ScriptedEngine(step_s=0.001)
-    loop = EngineLoop(engine, stream_interval=3)
-    loop.start()
-    try:
-        passes = record_passes(loop, engine)
+    async with recorded_loop(stream_interval=3) as (loop, _, passes):
         outbox = StreamOutbox()
         loop.add(outbox, new_request("a", 12))
         first_of_a = (await asyncio.wait_for(outbox.queue.get(), 10))[1]
         loop.add(outbox, new_request("b", 7))
         items = await collect(outbox, {"a", "b"})
-    finally:
-        await loop.stop()
     items["a"].insert(0, first_of_a)
     assert len(items["a"]) == 12 and len(items["b"]) == 7
     for request_id in ("a", "b"):
@@ -535,32 +532,20 @@ def test_stream_interval_below_one_is_refused():
 async def test_a_request_may_ask_for_its_own_stream_interval():
     """AddRequest.stream_interval: 1 streams every step on a loop that holds (the gateway asks for
     it with stop strings); more than 1 holds on a loop that does not."""
-    engine = ScriptedEngine(step_s=0.001)
-    loop = EngineLoop(engine, stream_interval=4)
-    loop.start()
-    try:
-        passes = record_passes(loop, engine)
+    async with recorded_loop(stream_interval=4) as (loop, _, passes):
         outbox = StreamOutbox()
         every_step = new_request("every", 6)
         every_step.stream_interval = 1
         loop.add(outbox, every_step)
         await collect(outbox, {"every"})
-    finally:
-        await loop.stop()
     assert [[token for _, token, _ in batch] for _, batch in passes] == [[1], [2], [3], [4], [5], [6]]
 
-    engine = ScriptedEngine(step_s=0.001)
-    loop = EngineLoop(engine)
-    loop.start()
-    try:
-        passes = record_passes(loop, engine)
+    async with recorded_loop() as (loop, _, passes):
         outbox = StreamOutbox()
         held = new_request("held", 8)
         held.stream_interval = 3
         loop.add(outbox, held)
         items = (await collect(outbox, {"held"}))["held"]
-    finally:
-        await loop.stop()
     assert [out.token_id for out in items] == list(range(1, 9))
     assert [[token for _, token, _ in batch] for _, batch in passes] == [[1], [2, 3, 4], [5, 6, 7], [8]]
     assert not loop._interval_of and not loop._held  # nothing left of ended requests
