@@ -15,7 +15,7 @@ from detok_worker.servicer import SERVICE_FULL_NAME, DetokenizerServicer
 from detok_worker.token_bytes import TokenizerDecoding
 from detok_worker.token_table import decoding_with_tables
 from tokenwire.config_cli import parse_config
-from tokenwire.gc_heap import freeze_startup_heap
+from tokenwire.gc_heap import freeze_startup_heap, pause_collections_until_frozen
 from tokenwire.grpc_server import (
     add_health_and_reflection,
     mark_serving,
@@ -61,6 +61,7 @@ async def serve(config: Config) -> None:
 
 def main() -> None:
     config = parse_config(Config, env_prefix="TOKENWIRE_DETOK_")
+    pause_collections_until_frozen()  # frozen once the first tokenizer is loaded (decoding_then_freeze)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     use_serving_slice(config, "detok worker", whole_process=True)  # gRPC starts its threads later: they inherit it

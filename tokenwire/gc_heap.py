@@ -23,8 +23,17 @@ import time
 logger = logging.getLogger(__name__)
 
 
+def pause_collections_until_frozen() -> None:
+    """No collections while the service starts: the heap it builds (model, tokenizer, tables)
+    lives as long as the process, so collecting it finds little, and each full collection of a
+    growing heap took longer (the model worker's start: 11 of them, 8 to 290 ms, 1.8 s of its
+    7.2 s of CPU). freeze_startup_heap turns them back on."""
+    gc.disable()
+
+
 def freeze_startup_heap(what: str) -> None:
-    """Collects once, then keeps every object that exists now out of later collections."""
+    """Collects once, then keeps every object that exists now out of later collections (and
+    collections run again, if pause_collections_until_frozen stopped them)."""
     started = time.perf_counter()
     gc.collect()
     if not gc.get_freeze_count():
@@ -32,5 +41,6 @@ def freeze_startup_heap(what: str) -> None:
         # extensions' leak checks (nanobind's, in triton) see their objects freed.
         atexit.register(gc.unfreeze)
     gc.freeze()
+    gc.enable()
     logger.info("%s: %d objects kept out of garbage collection (%.0f ms)", what, gc.get_freeze_count(),
                 (time.perf_counter() - started) * 1e3)

@@ -74,6 +74,21 @@ def build_name(source: Path) -> str:
     return f"tokenwire_{source.stem}_{digest.hexdigest()[:12]}"
 
 
+def _sources_in(build_dir: Path, source: Path) -> Path:
+    """The source and the headers beside it, copied into the build directory once; the copy is
+    what gets built. torch's build file names the source's path, so building from each checkout's
+    own path rebuilt every kernel (~17 s each) whenever another checkout (a CI clone, a worktree)
+    had built it last. The directory's name carries their content, so a copy never goes stale,
+    and it is never rewritten (a newer copy would read as an edit to ninja)."""
+    copies = build_dir / "src"
+    copies.mkdir(exist_ok=True)
+    for path in (source, *sorted(source.parent.glob("*.h"))):
+        copy = copies / path.name
+        if not copy.exists():
+            shutil.copyfile(path, copy)
+    return copies / source.name
+
+
 def can_build(required_flags: set[str]) -> bool:
     """Whether a kernel written for these CPU flags can be built here: the CPU has them and a C++
     compiler is on PATH (what _build checks before it tries; the tests skip on the same)."""
@@ -105,7 +120,7 @@ def _build(source: Path, required_flags: set[str], build_root: Path) -> ModuleTy
             (build_dir / "lock").unlink(missing_ok=True)
             if not (build_dir / f"{name}.so").exists():
                 logger.info("building %s in %s (once per machine and version, ~20 s)", source.name, build_dir)
-            module = load(name=name, sources=[str(source)], build_directory=str(build_dir),
+            module = load(name=name, sources=[str(_sources_in(build_dir, source))], build_directory=str(build_dir),
                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                           verbose=False)
     except Exception as exc:  # no ninja, a compile error, a read-only cache: stay on torch ops

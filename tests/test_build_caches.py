@@ -1,4 +1,5 @@
-"""The GGUF conversion cache is keyed by the file's content (model_worker/model_files.py)."""
+"""The model worker's on-disk caches are keyed by content, not by the checkout's path: the GGUF
+conversion (model_worker/model_files.py) and the C++ kernels' builds (model_worker/kernels)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,24 @@ def test_a_digest_is_read_once_per_path_size_and_mtime(tmp_path, monkeypatch):
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     with pytest.raises(AssertionError, match="hashed again"):
         gguf_digest(gguf, cache)
+
+
+def test_a_kernel_builds_from_its_copy_in_the_build_directory_whichever_checkout_asks(tmp_path):
+    """torch's build file names the source path: built from each checkout's own path, every kernel
+    rebuilt whenever another checkout had built it last. The copy it builds from stays put."""
+    from model_worker.kernels import _sources_in
+
+    build_dir = tmp_path / "cache" / "tokenwire_k_0123"
+    build_dir.mkdir(parents=True)
+    checkouts = []
+    for name in ("one", "two"):
+        kernels = tmp_path / name / "kernels"
+        kernels.mkdir(parents=True)
+        (kernels / "k.cpp").write_text('#include "vec.h"\nint f() { return 1; }\n')
+        (kernels / "vec.h").write_text("// shared\n")
+        checkouts.append(kernels)
+    built = _sources_in(build_dir, checkouts[0] / "k.cpp")
+    assert built == build_dir / "src" / "k.cpp" and (build_dir / "src" / "vec.h").read_text() == "// shared\n"
+    stamp = built.stat().st_mtime_ns
+    assert _sources_in(build_dir, checkouts[1] / "k.cpp") == built
+    assert built.stat().st_mtime_ns == stamp  # not rewritten: ninja would take it for an edit
