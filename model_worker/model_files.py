@@ -69,7 +69,10 @@ def gguf_digest(gguf: Path, cache_dir: Path) -> str:
         for block in iter(lambda: file.read(1 << 20), b""):
             sha.update(block)
     digest = sha.hexdigest()
-    index = {**(index if isinstance(index, dict) else {}), where: digest}
+    # Entries of files that are gone (a deleted checkout's venv) go when a new one is written.
+    kept = {key: value for key, value in (index.items() if isinstance(index, dict) else ())
+            if Path(key.split("|", 1)[0]).exists()}
+    index = {**kept, where: digest}
     try:  # a lost race with another process only costs it a hash later
         cache_dir.mkdir(parents=True, exist_ok=True)
         scratch = index_path.with_name(f".{_DIGESTS_FILE}.{os.getpid()}")

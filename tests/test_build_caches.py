@@ -4,6 +4,7 @@ conversion (model_worker/model_files.py) and the C++ kernels' builds (model_work
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import pytest
@@ -24,6 +25,19 @@ def test_the_same_gguf_at_two_paths_shares_one_conversion_and_another_does_not(t
     assert gguf_digest(first, cache) == hashlib.sha256(first.read_bytes()).hexdigest()
     assert _gguf_cache_key(first, cache) == _gguf_cache_key(second, cache)
     assert _gguf_cache_key(other, cache) != _gguf_cache_key(first, cache)  # same size, other bytes
+
+
+def test_digests_of_files_that_are_gone_are_dropped(tmp_path):
+    cache = tmp_path / "cache"
+    gone = tmp_path / "gone.gguf"
+    gone.write_bytes(b"GGUF gone")
+    gguf_digest(gone, cache)
+    gone.unlink()
+    here = tmp_path / "here.gguf"
+    here.write_bytes(b"GGUF here")
+    gguf_digest(here, cache)
+    index = json.loads((cache / "gguf_digests.json").read_text())
+    assert [key.split("|")[0] for key in index] == [str(here.resolve())]
 
 
 def test_a_digest_is_read_once_per_path_size_and_mtime(tmp_path, monkeypatch):
