@@ -61,7 +61,9 @@ def gguf_digest(gguf: Path, cache_dir: Path) -> str:
         index = json.loads(index_path.read_text())
     except (OSError, ValueError):
         index = {}
-    digest = index.get(where) if isinstance(index, dict) else None
+    if not isinstance(index, dict):
+        index = {}
+    digest = index.get(where)
     if isinstance(digest, str):
         return digest
     sha = hashlib.sha256()
@@ -70,8 +72,7 @@ def gguf_digest(gguf: Path, cache_dir: Path) -> str:
             sha.update(block)
     digest = sha.hexdigest()
     # Entries of files that are gone (a deleted checkout's venv) go when a new one is written.
-    kept = {key: value for key, value in (index.items() if isinstance(index, dict) else ())
-            if Path(key.split("|", 1)[0]).exists()}
+    kept = {key: value for key, value in index.items() if Path(key.split("|", 1)[0]).exists()}
     index = {**kept, where: digest}
     try:  # a lost race with another process only costs it a hash later
         cache_dir.mkdir(parents=True, exist_ok=True)

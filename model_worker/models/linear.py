@@ -228,7 +228,8 @@ class Linear:
 
     __slots__ = ("weight", "packed_weight", "bias", "small_batch_matmul", "small_batch_max_tokens",
                  "int8_weight", "int8_scales", "int8_matmul", "int8_max_tokens", "gguf_blocks", "gguf_matmul",
-                 "gguf_max_tokens", "gguf_exact", "bf16_blocks", "bf16_matmul", "bf16_max_tokens", "bf16_large", "out_features", "in_features", "row_tile")
+                 "gguf_max_tokens", "gguf_exact", "bf16_blocks", "bf16_matmul", "bf16_max_tokens", "bf16_large",
+                 "out_features", "in_features", "row_tile")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8_small_batch: bool = False,
                  row_tile: int = 0, int8_kernel: ModuleType | None = None, bf16_kernel: ModuleType | None = None,
