@@ -4,3 +4,7 @@ Sits between the model worker's token frames and the gateway's streamed text; fl
 token_bytes -> incremental -> stop_strings, per sequence in sequence.py, per stream in
 stream.py, served by servicer.py; render.py spells token ids for logprobs beside that flow.
 """
+
+from tokenwire.grpc_io import use_poll_io as _use_poll_io
+
+_use_poll_io()  # before anything in this package imports grpc: grpc-core reads the choice once, on import

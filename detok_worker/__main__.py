@@ -16,6 +16,7 @@ from detok_worker.token_bytes import TokenizerDecoding
 from detok_worker.token_table import decoding_with_tables
 from tokenwire.config_cli import parse_config
 from tokenwire.gc_heap import freeze_startup_heap, pause_collections_until_frozen
+from tokenwire.grpc_io import log_io_note
 from tokenwire.grpc_server import (
     add_health_and_reflection,
     mark_serving,
@@ -64,6 +65,7 @@ def main() -> None:
     pause_collections_until_frozen()  # frozen once the first tokenizer is loaded (decoding_then_freeze)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_io_note()
     use_serving_slice(config, "detok worker", whole_process=True)  # gRPC starts its threads later: they inherit it
     asyncio.run(serve(config))
 

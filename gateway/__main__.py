@@ -14,6 +14,7 @@ from gateway.app import create_app
 from gateway.config import Config
 from tokenwire.config_cli import parse_config
 from tokenwire.gc_heap import pause_collections_until_frozen
+from tokenwire.grpc_io import log_io_note
 from tokenwire.sched_slice import use_serving_slice
 
 
@@ -21,6 +22,7 @@ def main() -> None:
     config = parse_config(Config, env_prefix="TOKENWIRE_GATEWAY_")
     pause_collections_until_frozen()  # the app's lifespan freezes the heap once the workers answer
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_io_note()
     use_serving_slice(config, "gateway", whole_process=True)  # uvicorn and gRPC start theirs later: they inherit it
     # On SIGTERM uvicorn stops accepting, lets open requests (streams included) finish for up to
     # drain_grace_s, then runs the lifespan's shutdown.

@@ -6,6 +6,8 @@ scheduler/sampler -> engine (one step) -> servicer (the Generate stream).
 
 import os as _os
 
+from tokenwire.grpc_io import use_poll_io as _use_poll_io
+
 # torch's CPU GEMMs run oneDNN primitives, cached per input shape twice over: by ideep
 # (LRU_CACHE_CAPACITY) and by oneDNN itself (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1024 entries
 # each by default. An entry holds 0.6 MB and up (16 MB for 2,000 rows of a 4096-wide layer),
@@ -20,3 +22,4 @@ import os as _os
 ONEDNN_SHAPE_CACHE_CAPACITY = "64"
 for _variable in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
     _os.environ.setdefault(_variable, ONEDNN_SHAPE_CACHE_CAPACITY)
+_use_poll_io()  # before anything in this package imports grpc: grpc-core reads the choice once, on import

@@ -27,6 +27,7 @@ from model_worker.structured_output import GrammarCompiler
 from tokenwire import grpc_server
 from tokenwire.config_cli import parse_config
 from tokenwire.gc_heap import freeze_startup_heap, pause_collections_until_frozen
+from tokenwire.grpc_io import log_io_note
 from tokenwire.sched_slice import use_serving_slice
 from tokenwire.tokenizer_files import num_token_ids, tokenizer_identity
 from tokenwire.v1 import model_worker_pb2 as pb
@@ -179,6 +180,7 @@ def main() -> None:
     config = parse_config(Config, env_prefix="TOKENWIRE_MODEL_WORKER_")
     pause_collections_until_frozen()  # serve() freezes the heap once the engine is built
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_io_note()
     asyncio.run(serve(config))
 
 

@@ -16,6 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tokenwire.grpc_io import use_poll_io
+
+# As each service does on import: the in-process servers and clients of the tests run on the same
+# gRPC socket layer as the services, whichever test module imports grpc first.
+use_poll_io()
+
 CACHE_DIR = Path(os.environ.get("TOKENWIRE_CACHE_DIR", Path.home() / ".cache" / "tokenwire"))
 
 
