@@ -19,12 +19,16 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
-
 # Run as a script (`python bench/bench_detok_grpc.py`), sys.path[0] is bench/; the packages
 # sit one level up and need not be pip-installed.
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+
+# Run as a script, bench/__init__ does not run first: tokenwire's choice of gRPC socket layer has to
+# come before grpc is imported (tokenwire/grpc_io.py).
+import tokenwire  # noqa: E402, F401, I001
+
+import grpc  # noqa: E402
 
 from bench.bench_detok import STOPS, add_reply_text, add_workload_args, corpus_ids, sequences_ids  # noqa: E402
 from model_worker.model_files import resolve_model_dir  # noqa: E402

@@ -13,6 +13,7 @@ from bench.workload import Workload
 # Report key -> label, in the order they run and print.
 SYSTEMS = {
     "tokenwire": "tokenwire (gateway)",
+    "model_worker": "tokenwire model worker over gRPC",
     "engine": "tokenwire engine alone",
     "hf_static": "transformers generate (static)",
     "hf_continuous": "transformers generate_batch",

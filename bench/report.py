@@ -37,7 +37,8 @@ def environment() -> dict[str, Any]:
 
 def build_report(label: str, kind: str, config: dict[str, Any], levels: Sequence[LevelSummary],
                  **extra: Any) -> dict[str, Any]:
-    """kind: openai (loadgen against a server), engine (tokenwire's LLMEngine alone), hf_static, hf_continuous."""
+    """kind: openai (loadgen against a server), model_worker (its Generate stream alone), engine (tokenwire's
+    LLMEngine alone), hf_static, hf_continuous."""
     return {"label": label, "kind": kind, "config": config, "environment": environment(),
             "levels": [asdict(level) for level in levels], **extra}
 

