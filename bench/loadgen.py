@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -27,7 +26,7 @@ from bench.metrics import LevelSummary, RequestRecord, summarize  # noqa: E402
 from bench.openai_stream import RequestSpec, client_session, stream_request  # noqa: E402
 from bench.prompts import Prompt, default_tokenizer_path, load_tokenizer, make_prompts  # noqa: E402
 from bench.report import build_report, save_report  # noqa: E402
-from bench.workload import Level, Workload, add_workload_args, arrival_offsets, workload_from_args  # noqa: E402
+from bench.workload import Level, Workload, add_workload_args, run_arrivals, workload_from_args  # noqa: E402
 
 
 async def run_level(client: aiohttp.ClientSession, url: str, spec: RequestSpec, prompts: list[Prompt],
@@ -35,21 +34,7 @@ async def run_level(client: aiohttp.ClientSession, url: str, spec: RequestSpec, 
                     ) -> list[RequestRecord]:
     """Sends the level's requests (prompts: its own, in order): at most `concurrency` at once, or
     at Poisson arrival times. count_text: see stream_request."""
-    in_flight = asyncio.Semaphore(level.concurrency) if level.concurrency else None
-    offsets = (arrival_offsets(level.num_requests, level.request_rate, seed) if level.request_rate
-               else [0.0] * level.num_requests)
-    level_start = time.perf_counter()
-
-    async def one(index: int) -> RequestRecord:
-        delay = level_start + offsets[index] - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if in_flight is None:
-            return await stream_request(client, url, spec, prompts[index], count_text)
-        async with in_flight:
-            return await stream_request(client, url, spec, prompts[index], count_text)
-
-    return list(await asyncio.gather(*(one(i) for i in range(level.num_requests))))
+    return await run_arrivals(level, seed, lambda index: stream_request(client, url, spec, prompts[index], count_text))
 
 
 async def open_connections(client: aiohttp.ClientSession, base_url: str, count: int) -> None:

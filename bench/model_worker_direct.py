@@ -34,7 +34,7 @@ from bench.loadgen import format_summary  # noqa: E402
 from bench.metrics import LevelSummary, RequestRecord, summarize  # noqa: E402
 from bench.prompts import Prompt, default_tokenizer_path, load_tokenizer, make_prompts  # noqa: E402
 from bench.report import build_report, save_report  # noqa: E402
-from bench.workload import Level, Workload, add_workload_args, arrival_offsets, workload_from_args  # noqa: E402
+from bench.workload import Level, Workload, add_workload_args, run_arrivals, workload_from_args  # noqa: E402
 from tokenwire.grpc_server import CHANNEL_OPTIONS  # noqa: E402
 from tokenwire.v1 import model_worker_pb2 as pb  # noqa: E402
 from tokenwire.v1 import model_worker_pb2_grpc as pb_grpc  # noqa: E402
@@ -96,21 +96,7 @@ class GenerateStreamDriver:
 
     async def run_level(self, prompts: list[Prompt], level: Level, seed: int = 0) -> list[RequestRecord]:
         """Closed loop (at most level.concurrency in flight) or Poisson arrivals, like loadgen."""
-        in_flight = asyncio.Semaphore(level.concurrency) if level.concurrency else None
-        offsets = (arrival_offsets(level.num_requests, level.request_rate, seed) if level.request_rate
-                   else [0.0] * level.num_requests)
-        level_start = time.perf_counter()
-
-        async def one(index: int) -> RequestRecord:
-            delay = level_start + offsets[index] - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if in_flight is None:
-                return await self.request(prompts[index], self.output_tokens)
-            async with in_flight:
-                return await self.request(prompts[index], self.output_tokens)
-
-        return list(await asyncio.gather(*(one(i) for i in range(level.num_requests))))
+        return await run_arrivals(level, seed, lambda index: self.request(prompts[index], self.output_tokens))
 
     async def close(self) -> None:
         async with self._writing:

@@ -7,13 +7,17 @@ side-by-side comparison hands each of them the same workload and they build the 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 def int_list(text: str) -> list[int]:
@@ -96,6 +100,26 @@ def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=num_requests)
     gaps[0] = 0.0  # the first request starts the clock
     return np.cumsum(gaps).tolist()
+
+
+async def run_arrivals(level: Level, seed: int, send: Callable[[int], Awaitable[T]]) -> list[T]:
+    """send(i) for each of the level's requests: at most `concurrency` at once (closed loop), or at
+    Poisson arrival times; the results in request order."""
+    in_flight = asyncio.Semaphore(level.concurrency) if level.concurrency else None
+    offsets = (arrival_offsets(level.num_requests, level.request_rate, seed) if level.request_rate
+               else [0.0] * level.num_requests)
+    level_start = time.perf_counter()
+
+    async def one(index: int) -> T:
+        delay = level_start + offsets[index] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if in_flight is None:
+            return await send(index)
+        async with in_flight:
+            return await send(index)
+
+    return list(await asyncio.gather(*(one(i) for i in range(level.num_requests))))
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
