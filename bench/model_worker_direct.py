@@ -108,7 +108,8 @@ async def run_sweep(address: str, workload: Workload, pool: list[Prompt], ignore
                     log=print) -> tuple[list[LevelSummary], pb.ModelInfo]:
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.ModelWorkerStub(channel)
-        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
+        # A worker still loading its model is waited for (up to the timeout), not refused.
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=300, wait_for_ready=True)
         driver = GenerateStreamDriver(stub.Generate(), workload.output_tokens, ignore_eos)
         warm = await driver.request(workload.warmup_prompts(pool)[0], min(workload.output_tokens, 4))
         if warm.error:

@@ -78,3 +78,22 @@ def test_a_kernel_builds_from_its_copy_in_the_build_directory_whichever_checkout
     stamp = built.stat().st_mtime_ns
     assert _sources_in(build_dir, checkouts[1] / "k.cpp") == built
     assert built.stat().st_mtime_ns == stamp  # not rewritten: ninja would take it for an edit
+
+
+def test_each_torch_install_builds_in_its_own_directory(tmp_path, monkeypatch):
+    """torch's build file names torch's include directories: one build directory shared by two
+    virtualenvs was rebuilt by whichever loaded after the other. Same source, same torch version,
+    another install: another name."""
+    import torch
+
+    from model_worker.kernels import build_name
+
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    (kernels / "k.cpp").write_text("int f() { return 1; }\n")
+    here = build_name(kernels / "k.cpp")
+    assert build_name(kernels / "k.cpp") == here  # stable for one install
+    other_venv = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "torch" / "__init__.py"
+    monkeypatch.setattr(torch, "__file__", str(other_venv))
+    there = build_name(kernels / "k.cpp")
+    assert there != here and there.startswith("tokenwire_k_")

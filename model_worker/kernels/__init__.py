@@ -67,10 +67,13 @@ def build_name(source: Path) -> str:
     """The module's (and its build directory's) name. It carries the source and the headers beside
     it (which any kernel may include), torch's version and the CPU's flags: an edit rebuilds, and a
     cache shared with a machine of another CPU (a baked image, a network home) never loads a
-    -march=native build made for different instructions."""
+    -march=native build made for different instructions. And where torch is installed: torch's
+    build file names its include directories, so one build directory shared by two virtualenvs
+    (a checkout's and a CI clone's) was rebuilt, ~17 s a kernel, by whichever loaded after the other."""
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     digest = hashlib.sha256(source.read_bytes() + headers + torch.__version__.encode()
-                            + " ".join(sorted(cpu_flags())).encode())
+                            + " ".join(sorted(cpu_flags())).encode()
+                            + str(Path(torch.__file__).resolve().parent).encode())
     return f"tokenwire_{source.stem}_{digest.hexdigest()[:12]}"
 
 
