@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a file: python bench/loadgen.py
 
 from bench.metrics import LevelSummary, RequestRecord, summarize  # noqa: E402
 from bench.openai_stream import RequestSpec, client_session, stream_request  # noqa: E402
-from bench.prompts import Prompt, default_tokenizer_path, load_tokenizer, make_prompts  # noqa: E402
+from bench.prompts import Prompt, make_prompts, tokenizer_or_default  # noqa: E402
 from bench.report import build_report, save_report  # noqa: E402
 from bench.workload import Level, Workload, add_workload_args, run_arrivals, workload_from_args  # noqa: E402
 
@@ -137,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workload: Workload = args.workload
-    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else default_tokenizer_path())
+    tokenizer = tokenizer_or_default(args.tokenizer)
     pool = make_prompts(tokenizer, workload.pool_size, workload.prompt_len, workload.seed)
     spec = RequestSpec(args.api, args.model, workload.output_tokens, args.ignore_eos, args.prompt_format,
                        args.extra)

@@ -32,7 +32,7 @@ import grpc  # noqa: E402
 
 from bench.loadgen import format_summary  # noqa: E402
 from bench.metrics import LevelSummary, RequestRecord, summarize  # noqa: E402
-from bench.prompts import Prompt, default_tokenizer_path, load_tokenizer, make_prompts  # noqa: E402
+from bench.prompts import Prompt, make_prompts, tokenizer_or_default  # noqa: E402
 from bench.report import build_report, save_report  # noqa: E402
 from bench.workload import Level, Workload, add_workload_args, run_arrivals, workload_from_args  # noqa: E402
 from tokenwire.grpc_server import CHANNEL_OPTIONS  # noqa: E402
@@ -142,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workload: Workload = args.workload
-    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else default_tokenizer_path())
+    tokenizer = tokenizer_or_default(args.tokenizer)
     pool = make_prompts(tokenizer, workload.pool_size, workload.prompt_len, workload.seed)
     summaries, info = asyncio.run(run_sweep(args.model_worker, workload, pool, args.ignore_eos))
     report = build_report(args.label, "model_worker", {**asdict(workload), "model_worker": args.model_worker},

@@ -35,6 +35,12 @@ def load_tokenizer(path: Path) -> Tokenizer:
     return Tokenizer.from_file(str(file))
 
 
+def tokenizer_or_default(path: str) -> Tokenizer:
+    """A --tokenizer flag's tokenizer: at path (a tokenizer.json or a model directory holding one),
+    or the default model's when it is empty."""
+    return load_tokenizer(Path(path) if path else default_tokenizer_path())
+
+
 def word_token_ids(tokenizer: Tokenizer) -> np.ndarray:
     """Ids of tokens that decode to a space and 2+ ASCII letters and re-encode to themselves."""
     ids = []
