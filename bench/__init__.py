@@ -3,6 +3,6 @@
 A package so the pieces import each other (`python -m bench.loadgen`); see bench/README.md.
 """
 
-from tokenwire.grpc_io import use_poll_io as _use_poll_io
-
-_use_poll_io()  # before anything in this package imports grpc: grpc-core reads the choice once, on import
+# tokenwire's __init__ chooses gRPC's socket layer (tokenwire/grpc_io.py): grpc-core reads the
+# choice once, on import, so it comes before anything in this package imports grpc.
+import tokenwire  # noqa: F401

@@ -5,6 +5,6 @@ token_bytes -> incremental -> stop_strings, per sequence in sequence.py, per str
 stream.py, served by servicer.py; render.py spells token ids for logprobs beside that flow.
 """
 
-from tokenwire.grpc_io import use_poll_io as _use_poll_io
-
-_use_poll_io()  # before anything in this package imports grpc: grpc-core reads the choice once, on import
+# tokenwire's __init__ chooses gRPC's socket layer (tokenwire/grpc_io.py): grpc-core reads the
+# choice once, on import, so it comes before anything in this package imports grpc.
+import tokenwire  # noqa: F401

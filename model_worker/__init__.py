@@ -6,7 +6,9 @@ scheduler/sampler -> engine (one step) -> servicer (the Generate stream).
 
 import os as _os
 
-from tokenwire.grpc_io import use_poll_io as _use_poll_io
+# tokenwire's __init__ chooses gRPC's socket layer (tokenwire/grpc_io.py): grpc-core reads the
+# choice once, on import, so it comes before anything in this package imports grpc.
+import tokenwire  # noqa: F401
 
 # torch's CPU GEMMs run oneDNN primitives, cached per input shape twice over: by ideep
 # (LRU_CACHE_CAPACITY) and by oneDNN itself (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1024 entries
@@ -22,4 +24,3 @@ from tokenwire.grpc_io import use_poll_io as _use_poll_io
 ONEDNN_SHAPE_CACHE_CAPACITY = "64"
 for _variable in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
     _os.environ.setdefault(_variable, ONEDNN_SHAPE_CACHE_CAPACITY)
-_use_poll_io()  # before anything in this package imports grpc: grpc-core reads the choice once, on import

@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenwire.grpc_io import use_poll_io
-
-# As each service does on import: the in-process servers and clients of the tests run on the same
-# gRPC socket layer as the services, whichever test module imports grpc first.
-use_poll_io()
+# As each service package does: tokenwire's __init__ chooses gRPC's socket layer before grpc is
+# imported, so the tests' in-process servers and clients run on the services' one, whichever test
+# module imports grpc first.
+import tokenwire  # noqa: F401
 
 CACHE_DIR = Path(os.environ.get("TOKENWIRE_CACHE_DIR", Path.home() / ".cache" / "tokenwire"))
 

@@ -15,8 +15,8 @@ Apache Beam turns `event_engine_client` off for its loopback streams too (ping t
 issue 39113).
 
 grpc-core reads GRPC_EXPERIMENTS once, when grpc is imported, so use_poll_io runs from tokenwire's
-own __init__ and each service package's (and bench's, and the tests' conftest), before anything
-there imports grpc; the two benchmark scripts run as files import tokenwire before grpc.
+own __init__, and each service package (and bench, and the tests' conftest, and the two benchmark
+scripts run as files) imports tokenwire before anything there imports grpc.
 A GRPC_EXPERIMENTS already in the environment wins, an empty one included (grpc's defaults).
 """
 
@@ -25,8 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
-from importlib import metadata
+from collections.abc import Callable, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +38,10 @@ CHECKED_MINOR_RELEASES = range(66, 86)
 
 
 def grpcio_version() -> str:
-    """The installed grpcio's version, read without importing grpc."""
+    """The installed grpcio's version, read without importing grpc (importlib.metadata itself
+    takes ~20 ms to import, so only where the choice needs it)."""
+    from importlib import metadata
+
     try:
         return metadata.version("grpcio")
     except metadata.PackageNotFoundError:
@@ -52,13 +54,17 @@ def knows_poll_io_experiments(version: str) -> bool:
     return major == "1" and minor.isdigit() and int(minor) in CHECKED_MINOR_RELEASES
 
 
-def choose_io(environ: Mapping[str, str], version: str, grpc_imported: bool) -> tuple[str | None, str]:
-    """(the GRPC_EXPERIMENTS value to set, or None to leave it; which layer gRPC runs on, for the log)."""
+def choose_io(environ: Mapping[str, str], version: str | Callable[[], str],
+              grpc_imported: bool) -> tuple[str | None, str]:
+    """(the GRPC_EXPERIMENTS value to set, or None to leave it; which layer gRPC runs on, for the log).
+    version: grpcio's, or what reads it, called only where the environment has not decided."""
     if EXPERIMENTS_VARIABLE in environ:
         return None, f"gRPC I/O: {EXPERIMENTS_VARIABLE}={environ[EXPERIMENTS_VARIABLE]!r} from the environment"
     if grpc_imported:
         # Too late for this process: the processes it starts would take it and differ from it.
         return None, "gRPC I/O: grpc's default (grpc was imported before tokenwire could choose)"
+    if callable(version):
+        version = version()
     if not knows_poll_io_experiments(version):
         return None, f"gRPC I/O: grpc's default (grpcio {version or 'missing'}: a release not checked for {POLL_IO_EXPERIMENTS})"
     return POLL_IO_EXPERIMENTS, f"gRPC I/O: poll-based ({EXPERIMENTS_VARIABLE}={POLL_IO_EXPERIMENTS})"
@@ -69,20 +75,18 @@ _note = ""
 
 def use_poll_io() -> None:
     """Turns the EventEngine experiments off for this process (and the ones it starts) where that
-    takes effect; the first call decides, later ones (another package's __init__) change nothing."""
+    takes effect. tokenwire's __init__ calls it, once per process."""
     global _note
-    if _note:
-        return
-    value, _note = choose_io(os.environ, grpcio_version(), "grpc" in sys.modules)
+    value, _note = choose_io(os.environ, grpcio_version, "grpc" in sys.modules)
     if value is not None:
         os.environ[EXPERIMENTS_VARIABLE] = value
 
 
 def io_note() -> str:
     """What use_poll_io found."""
-    return _note or "gRPC I/O: not chosen (use_poll_io did not run)"
+    return _note
 
 
 def log_io_note() -> None:
     """For each service's start-up log, once logging is set up."""
-    logger.info(io_note())
+    logger.info(_note)
