@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import tokenwire  # noqa: E402, F401, I001
 
 import grpc  # noqa: E402
 
+from bench.metrics import process_cpu_seconds  # noqa: E402
 from bench.bench_detok import STOPS, add_reply_text, add_workload_args, corpus_ids, sequences_ids  # noqa: E402
 from model_worker.model_files import resolve_model_dir  # noqa: E402
 from tokenwire.grpc_server import CHANNEL_OPTIONS  # noqa: E402
@@ -38,13 +38,6 @@ from tokenwire.stack import ServiceProcess, free_port, spawn, wait_grpc_serving 
 from tokenwire.tokenizer_files import tokenizer_identity  # noqa: E402
 from tokenwire.v1 import common_pb2, detok_worker_pb2_grpc  # noqa: E402
 from tokenwire.v1 import detok_worker_pb2 as pb  # noqa: E402
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of a process from /proc (Linux), so the worker's CPU per token can be told
-    apart from the client's on a shared machine."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def build_frames(identity: common_pb2.TokenizerIdentity, seqs: list[list[int]], run: int,

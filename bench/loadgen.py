@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -82,8 +83,10 @@ async def run_sweep(base_url: str, spec: RequestSpec, workload: Workload, pool: 
         for level in workload.levels():
             if level.concurrency:
                 await open_connections(client, base_url, level.concurrency)
+            cpu_before = time.process_time()
             records = await run_level(client, url, spec, level.prompts(pool), level, workload.seed, count_text)
             summary = summarize(records, level.concurrency, level.request_rate)
+            summary.client_cpu_s = round(time.process_time() - cpu_before, 3)
             log(format_summary(summary))
             summaries.append(summary)
         return summaries

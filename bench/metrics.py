@@ -6,12 +6,21 @@ summarize() turns a level's records into the numbers every report and plot uses.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process from /proc (Linux), so one service's CPU per token can be told
+    apart from the others' on a shared machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -101,6 +110,9 @@ class LevelSummary:
     itl_ms: dict[str, float | None]
     e2e_ms: dict[str, float | None]
     errors: list[str]  # the first few distinct error messages
+    # CPU seconds the client process spent on the level (the load generator sets it): what a
+    # client on the server's own host takes from the server.
+    client_cpu_s: float | None = None
 
 
 def summarize(records: Sequence[RequestRecord], concurrency: int | None = None,

@@ -281,6 +281,7 @@ def test_loadgen_sweep_counts_multi_token_chunks_exactly(serve):
         assert 1.0 < s.itl_ms["p50"] < 200
         assert s.ttft_ms["p50"] > 4.0
         assert s.tpot_ms["mean"] is not None and s.output_throughput > 0
+        assert s.client_cpu_s is not None and s.client_cpu_s > 0  # the client's own CPU over the level
     # Each level found its connections open (GET /models): no timed request opened one; only
     # the warm-up before them did.
     assert list(fake.first_use.values()).count("completions") <= 1

@@ -129,9 +129,11 @@ class Stack:
 def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host: str = "127.0.0.1",
                 gateway_port: int | None = None, gateway_args: Sequence[str] = (),
                 timeout_s: float = 300.0, detok_args: Sequence[str] = (),
-                tls: ClientTLS | None = None, num_model_workers: int = 1) -> Iterator[Stack]:
+                tls: ClientTLS | None = None, num_model_workers: int = 1,
+                model_worker_module: str = "model_worker") -> Iterator[Stack]:
     """num_model_workers model worker replicas (same args), num_detok detok replicas and the
-    gateway, on free loopback ports.
+    gateway, on free loopback ports. model_worker_module: what runs as the model worker
+    (bench/serving_path.py puts a stand-in with no model there).
 
     With TLS, the worker args carry the --tls-* flags and gateway_args the --worker-tls-* ones;
     `tls` is what the launcher's own health probes use to reach the workers.
@@ -143,7 +145,7 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
     try:
         mws = []
         for addr in mw_addrs:
-            mws.append(spawn("model_worker", "model_worker", ["--host", host, "--port", addr.rsplit(":", 1)[1],
+            mws.append(spawn("model_worker", model_worker_module, ["--host", host, "--port", addr.rsplit(":", 1)[1],
                                                               *model_worker_args]))
             stack.services.append(mws[-1])
         detoks = []
