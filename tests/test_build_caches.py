@@ -97,3 +97,84 @@ def test_each_torch_install_builds_in_its_own_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "__file__", str(other_venv))
     there = build_name(kernels / "k.cpp")
     assert there != here and there.startswith("tokenwire_k_")
+
+
+def test_a_new_build_removes_the_builds_no_process_has_loaded_for_a_month(tmp_path):
+    """Every source edit, torch version and virtualenv (each CI clone's) makes a build directory;
+    the ones no process has loaded for UNUSED_BUILD_MAX_AGE_S go, unless a process holds one."""
+    import fcntl
+    import os
+
+    from model_worker.kernels import LAST_USED_FILE, UNUSED_BUILD_MAX_AGE_S, prune_unused_builds
+
+    now = 1_800_000_000.0
+    old = now - UNUSED_BUILD_MAX_AGE_S - 3600
+    recent = now - UNUSED_BUILD_MAX_AGE_S + 3600
+
+    def build(name: str, last_used: float | None, written: float = old) -> os.PathLike:
+        build_dir = tmp_path / name
+        (build_dir / "src").mkdir(parents=True)
+        for file in (build_dir / f"{name}.so", build_dir / "build.ninja"):
+            file.write_text("x")
+            os.utime(file, (written, written))
+        if last_used is not None:
+            (build_dir / LAST_USED_FILE).touch()
+            os.utime(build_dir / LAST_USED_FILE, (last_used, last_used))
+        os.utime(build_dir, (written, written))
+        return build_dir
+
+    build("tokenwire_k_unused", old)
+    build("tokenwire_k_used_lately", recent)  # built long ago, loaded this month
+    build("tokenwire_k_before_markers", None, written=old)  # no last_used: its newest file's time
+    build("tokenwire_k_before_markers_recent", None, written=recent)
+    build("tokenwire_k_just_built", old)  # `keep`: the build this process made
+    held = build("tokenwire_k_held", old)
+    (tmp_path / "not_a_build").mkdir()
+    os.utime(tmp_path / "not_a_build", (old, old))
+
+    with open(held / "tokenwire.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # another process building or loading it
+        removed = prune_unused_builds(tmp_path, keep="tokenwire_k_just_built", now=now)
+    assert removed == ["tokenwire_k_before_markers", "tokenwire_k_unused"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "not_a_build", "tokenwire_k_before_markers_recent", "tokenwire_k_held", "tokenwire_k_just_built",
+        "tokenwire_k_used_lately"]
+
+
+def test_loading_marks_the_build_used_and_only_a_new_build_prunes(tmp_path, monkeypatch):
+    """_build touches last_used on every load; it prunes its siblings only when it built (a load
+    of an existing build, every start-up, scans nothing)."""
+    import os
+    import types
+
+    import torch.utils.cpp_extension
+
+    from model_worker.kernels import LAST_USED_FILE, UNUSED_BUILD_MAX_AGE_S, _build, build_name
+
+    def fake_load(name, sources, build_directory, **kwargs):  # the compiler's work, without it
+        (tmp_path / "root" / name / f"{name}.so").write_text("built")
+        return types.SimpleNamespace(name=name)
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
+    monkeypatch.setenv("CXX", "true")  # any program on PATH passes the compiler check
+    source = tmp_path / "k.cpp"
+    source.write_text("int f() { return 1; }\n")
+    root = tmp_path / "root"
+    long_ago = 1_000_000_000.0
+
+    def unused_sibling(name: str) -> None:
+        (root / name).mkdir(parents=True)
+        (root / name / LAST_USED_FILE).touch()
+        os.utime(root / name / LAST_USED_FILE, (long_ago, long_ago))
+        os.utime(root / name, (long_ago, long_ago))
+
+    unused_sibling("tokenwire_k_000000000000")
+    assert _build(source, set(), root).name == build_name(source)  # built: prunes
+    assert not (root / "tokenwire_k_000000000000").exists()
+    last_used = root / build_name(source) / LAST_USED_FILE
+    assert last_used.is_file() and last_used.stat().st_mtime > long_ago + UNUSED_BUILD_MAX_AGE_S
+    unused_sibling("tokenwire_k_111111111111")
+    os.utime(last_used, (long_ago, long_ago))
+    assert _build(source, set(), root) is not None  # loaded what exists: no prune
+    assert (root / "tokenwire_k_111111111111").is_dir()
+    assert last_used.stat().st_mtime > long_ago + UNUSED_BUILD_MAX_AGE_S  # touched again

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +33,10 @@ BF16_LINEAR_SOURCE = Path(__file__).with_name("bf16_linear.cpp")
 LLAMA_OPS_SOURCE = Path(__file__).with_name("llama_ops.cpp")
 SAMPLING_OPS_SOURCE = Path(__file__).with_name("sampling_ops.cpp")
 DEFAULT_BUILD_ROOT = DEFAULT_CACHE_DIR / "kernels"  # the model worker's default --cache-dir
+# A build directory no process has loaded for this long is removed when a new build is made beside
+# it: each source edit, torch version or virtualenv (a CI clone's) makes a new one, ~1 MB each.
+UNUSED_BUILD_MAX_AGE_S = 30 * 24 * 3600
+LAST_USED_FILE = "last_used"  # touched on every load: its mtime is the build's last use
 # The CPU flags gguf_linear.cpp is written for (--int4-small-batch auto looks for them too).
 GGUF_LINEAR_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
 
@@ -92,6 +97,43 @@ def _sources_in(build_dir: Path, source: Path) -> Path:
     return copies / source.name
 
 
+def _last_used(build_dir: Path) -> float:
+    """When a process last loaded this build; for one made before the marker existed, when its
+    newest file was written."""
+    try:
+        return (build_dir / LAST_USED_FILE).stat().st_mtime
+    except OSError:
+        return max((p.stat().st_mtime for p in build_dir.iterdir()), default=build_dir.stat().st_mtime)
+
+
+def prune_unused_builds(build_root: Path, keep: str, max_age_s: float = UNUSED_BUILD_MAX_AGE_S,
+                        now: float | None = None) -> list[str]:
+    """Removes the kernel build directories under build_root that no process has loaded for
+    max_age_s (every one but `keep`, the build just made); returns their names. Age and not
+    "its torch install is gone" decides, because a cache may be shared with a machine or container
+    whose paths this one cannot see. One another process holds (building or loading it) stays."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    now = time.time() if now is None else now
+    removed = []
+    for build_dir in sorted(build_root.glob("tokenwire_*")):
+        try:
+            if build_dir.name == keep or not build_dir.is_dir() or now - _last_used(build_dir) < max_age_s:
+                continue
+            with open(build_dir / "tokenwire.flock", "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: in use, keep it
+                shutil.rmtree(build_dir)
+            removed.append(build_dir.name)
+        except OSError as exc:
+            logger.debug("kept %s: %s", build_dir, exc)
+    if removed:
+        logger.info("removed %d kernel builds unused for %d days from %s", len(removed), max_age_s // 86400,
+                    build_root)
+    return removed
+
+
 def can_build(required_flags: set[str]) -> bool:
     """Whether a kernel written for these CPU flags can be built here: the CPU has them and a C++
     compiler is on PATH (what _build checks before it tries; the tests skip on the same)."""
@@ -121,11 +163,15 @@ def _build(source: Path, required_flags: set[str], build_root: Path) -> ModuleTy
             # makes every later load wait on it forever. Under the flock no live loader holds
             # it, so any found here is stale.
             (build_dir / "lock").unlink(missing_ok=True)
-            if not (build_dir / f"{name}.so").exists():
+            (build_dir / LAST_USED_FILE).touch()
+            builds = not (build_dir / f"{name}.so").exists()
+            if builds:
                 logger.info("building %s in %s (once per machine and version, ~20 s)", source.name, build_dir)
             module = load(name=name, sources=[str(_sources_in(build_dir, source))], build_directory=str(build_dir),
                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                           verbose=False)
+        if builds:  # a new build sits beside the old ones: the time to drop those long unused
+            prune_unused_builds(build_root, keep=name)
     except Exception as exc:  # no ninja, a compile error, a read-only cache: stay on torch ops
         text = str(exc).strip()
         logger.warning("%s: could not build (%s: %s); using torch ops", source.name, type(exc).__name__,
