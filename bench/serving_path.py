@@ -78,18 +78,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--waves", type=int, default=3, help="requests per run: waves x concurrency")
     parser.add_argument("--rounds", type=int, default=1, help="measured runs, one after another")
     parser.add_argument("--step-ms", type=float, default=25.0, help="the stand-in model worker's step")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the stand-in sends a request's tokens every N steps, as the model worker's flag")
     parser.add_argument("--model", help="whose tokenizer the stand-in serves (a model dir or name); "
                                             "default: the model worker's default model")
     parser.add_argument("--json", dest="json_out", help="write the runs here")
     parser.add_argument("--gateway-arg", action="append", default=[],
-                        help="one more gateway flag (repeatable), e.g. --gateway-arg=--stream-interval=4")
+                        help="one more gateway flag (repeatable), e.g. --gateway-arg=--request-timeout-s=0")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runs = []
-    stand_in_args = ["--step-ms", str(args.step_ms), *(["--model", args.model] if args.model else [])]
+    stand_in_args = ["--step-ms", str(args.step_ms), "--stream-interval", str(args.stream_interval),
+                     *(["--model", args.model] if args.model else [])]
     with start_stack(stand_in_args, gateway_args=args.gateway_arg,
                      model_worker_module="bench.stand_in_model_worker", timeout_s=120) as stack:
         pids = {service.name: service.process.pid for service in stack.services}

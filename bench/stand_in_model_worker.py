@@ -4,7 +4,9 @@
 
 It serves the ModelWorker contract the gateway uses (GetModelInfo with the default model's
 tokenizer, GetLoad, Generate) and "decodes" on a clock: every --step-ms, each running request gets
-one token, all of them in one TokenFrame, as the real engine's steps send them. The tokens are
+one token, all of them in one TokenFrame, as the real engine's steps send them (with
+--stream-interval N, a request's tokens go out every N steps, N at a time, as the model worker's
+flag of that name sends them). The tokens are
 ordinary vocabulary ids from a fixed pseudo-random sequence, so the detok worker and the gateway do
 their real work on them; a request ends with FINISH_REASON_LENGTH at max_tokens. No model runs, so
 the CPU the gateway and the detok worker take per token can be read without torch competing for the
@@ -19,7 +21,7 @@ import argparse
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -47,6 +49,7 @@ class _Running:
     max_tokens: int
     num_output_tokens: int = 0
     next_id: int = 0  # state of its pseudo-random id sequence
+    unsent: list[int] = field(default_factory=list)  # ids made since its last frame
 
 
 def plain_token_id(state: int, vocab_size: int) -> tuple[int, int]:
@@ -56,9 +59,10 @@ def plain_token_id(state: int, vocab_size: int) -> tuple[int, int]:
 
 
 class StandInModelWorker(model_worker_pb2_grpc.ModelWorkerServicer):
-    def __init__(self, info: pb.ModelInfo, step_s: float) -> None:
+    def __init__(self, info: pb.ModelInfo, step_s: float, stream_interval: int = 1) -> None:
         self.info = info
         self.step_s = step_s
+        self.stream_interval = max(stream_interval, 1)
         self.num_running = 0
 
     async def GetModelInfo(self, request, context):
@@ -96,12 +100,16 @@ class StandInModelWorker(model_worker_pb2_grpc.ModelWorkerServicer):
                 sequences, ended[:] = ended[:], []
                 for request in list(running.values()):
                     token_id, request.next_id = plain_token_id(request.next_id, self.info.vocab_size)
+                    request.unsent.append(token_id)
                     request.num_output_tokens += 1
                     done = request.num_output_tokens >= request.max_tokens
+                    if not done and request.num_output_tokens % self.stream_interval:
+                        continue
                     sequences.append(pb.SequenceTokens(
-                        request_id=request.request_id, token_ids=pack_int32([token_id]),
+                        request_id=request.request_id, token_ids=pack_int32(request.unsent),
                         num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
                         finish_reason=pb.FINISH_REASON_LENGTH if done else pb.FINISH_REASON_UNSPECIFIED))
+                    request.unsent = []
                     if done:
                         del running[request.request_id]
                 self.num_running = len(running)
@@ -117,9 +125,10 @@ def model_info(model_dir: Path) -> pb.ModelInfo:
                         max_model_len=1 << 16, tokenizer=tokenizer_identity(model_dir))
 
 
-async def serve(address: str, step_s: float, model_dir: Path) -> None:
+async def serve(address: str, step_s: float, stream_interval: int, model_dir: Path) -> None:
     server = grpc_server.new_server()
-    model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(StandInModelWorker(model_info(model_dir), step_s), server)
+    model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(
+        StandInModelWorker(model_info(model_dir), step_s, stream_interval), server)
     health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
     await grpc_server.mark_serving(health, [SERVICE_NAME])
     await grpc_server.serve_until_signal(server, address, 1.0, None, health)
@@ -130,12 +139,13 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--step-ms", type=float, default=25.0, help="time between two decode steps")
+    parser.add_argument("--stream-interval", type=int, default=1, help="steps between a request's frames")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="whose tokenizer to serve")
     parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR)
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_dir = resolve_model_dir(args.model, Path(args.cache_dir))
-    asyncio.run(serve(f"{args.host}:{args.port}", args.step_ms / 1e3, model_dir))
+    asyncio.run(serve(f"{args.host}:{args.port}", args.step_ms / 1e3, args.stream_interval, model_dir))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,25 @@ async def test_stand_in_steps_every_running_request_in_one_frame(smollm2_dir):
     assert [s.request_id for s in last.sequences if s.finish_reason == pb.FINISH_REASON_ABORT] == ["b"]
 
 
+async def test_stand_in_stream_interval_sends_a_requests_tokens_every_n_steps(smollm2_dir):
+    server = grpc_server.new_server()
+    pb_grpc.add_ModelWorkerServicer_to_server(StandInModelWorker(model_info(smollm2_dir), 0.005, 2), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = pb_grpc.ModelWorkerStub(channel).Generate()
+            await call.write(pb.RequestFrame(adds=[pb.AddRequest(request_id="a", prompt_token_ids=[1], max_tokens=5)]))
+            frames = [await asyncio.wait_for(call.read(), 5) for _ in range(3)]
+            call.cancel()
+    finally:
+        await server.stop(None)
+    seqs = [frame.sequences[0] for frame in frames]
+    assert [len(unpack_int32(s.token_ids)) for s in seqs] == [2, 2, 1]  # the last one at max_tokens
+    assert [s.num_output_tokens for s in seqs] == [2, 4, 5]
+    assert [s.finish_reason for s in seqs] == [0, 0, pb.FINISH_REASON_LENGTH]
+
+
 def test_serving_path_bench_through_the_real_gateway_and_detok_worker(smollm2_dir, tmp_path):
     from bench.serving_path import main
 
