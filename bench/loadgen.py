@@ -101,6 +101,8 @@ def format_summary(s: LevelSummary) -> str:
     line = (f"{where}: {s.completed}/{s.num_requests} ok, {s.request_throughput:.2f} req/s, "
             f"{s.output_throughput:.1f} out tok/s, TTFT p50/p90/p99 {ms(s.ttft_ms)} ms, "
             f"TPOT {ms(s.tpot_ms)} ms, ITL {ms(s.itl_ms)} ms")
+    if s.client_cpu_s is not None:
+        line += f", client CPU {s.client_cpu_s:.2f} s"
     if s.errors:
         line += f"; errors: {s.errors}"
     return line
