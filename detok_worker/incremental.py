@@ -32,6 +32,11 @@ class IncrementalDetokenizer(Protocol):
         back from earlier feeds already did."""
         ...
 
+    def chars_for_tokens(self, token_ids: Sequence[int], num_tokens: int) -> int:
+        """How many characters of the last feed's text its first num_tokens ids (token_ids) made:
+        where min_tokens' unchecked text ends inside a feed."""
+        ...
+
 
 class ByteLevelDetokenizer:
     """Byte-level BPE: bytes are context-free, so text is the UTF-8 decoding of the
@@ -68,6 +73,11 @@ class ByteLevelDetokenizer:
         self.pending_before_feed = self.pending
         self.pending = b""
         return text
+
+    def chars_for_tokens(self, token_ids: Sequence[int], num_tokens: int) -> int:
+        pieces = self.token_bytes.pieces
+        data = self.pending_before_feed + b"".join(pieces[token_id] for token_id in token_ids[:num_tokens])
+        return len(codecs.utf_8_decode(data, "replace", False)[0])
 
     def tokens_for_chars(self, token_ids: Sequence[int], num_chars: int) -> int:
         pieces = self.token_bytes.pieces
@@ -185,6 +195,12 @@ class WindowDetokenizer:
         self._read_offset = 0
         self._prefix_text = ""
         return delta
+
+    def chars_for_tokens(self, token_ids: Sequence[int], num_tokens: int) -> int:
+        window = self._window_before_feed[:self._window_len_before_feed] + list(token_ids[:num_tokens])
+        # As feed: a character whose bytes are still to come is not text yet.
+        text = self._decode(window).rstrip(REPLACEMENT_CHAR)
+        return max(0, len(text) - len(self._prefix_text_before_feed))
 
     def tokens_for_chars(self, token_ids: Sequence[int], num_chars: int) -> int:
         """Counted from the first id of the last feed; 0 or less when ids held back from

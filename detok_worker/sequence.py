@@ -17,10 +17,10 @@ from tokenwire.packing import unpack_int32_list
 
 class DetokSequence:
     __slots__ = ("sequence_id", "detokenizer", "token_bytes", "stop_matcher", "stop_search", "renderer",
-                 "num_tokens", "num_reported", "finished", "stop_index", "num_tokens_to_stop", "handle")
+                 "num_tokens", "num_reported", "finished", "stop_index", "num_tokens_to_stop", "handle", "min_tokens")
 
     def __init__(self, sequence_id: str, detokenizer: ByteLevelDetokenizer | WindowDetokenizer,
-                 stop_matcher: StopStringMatcher | None, renderer: TokenRenderer) -> None:
+                 stop_matcher: StopStringMatcher | None, renderer: TokenRenderer, min_tokens: int = 0) -> None:
         self.sequence_id = sequence_id
         self.detokenizer = detokenizer
         # Set for byte-level sequences: the frame loop decodes their bytes a frame at a time.
@@ -41,6 +41,8 @@ class DetokSequence:
         # OpenSequence.handle (0: none): the sequence's ids come in TokenColumns, and while it is
         # open columns.py's HandleTable holds its counts and unfinished-character bytes.
         self.handle = 0
+        # OpenSequence.min_tokens: no stop ends in the text of the first this many ids.
+        self.min_tokens = min_tokens
 
     @property
     def stopped(self) -> bool:
@@ -78,13 +80,25 @@ class DetokSequence:
     def match_stops(self, text: str, token_ids: Sequence[int] | bytes, num_new_tokens: int) -> str:
         """text passed through the stop matcher; token_ids (a list or int32 LE bytes) are the
         num_new_tokens ids just fed that produced it, replayed only on a hit."""
-        assert self.stop_matcher is not None
-        emit, stop_index, chars_to_stop = self.stop_matcher.push(text)
+        matcher = self.stop_matcher
+        assert matcher is not None
+        tokens_before = self.num_tokens - num_new_tokens
+        unchecked = self.min_tokens - tokens_before  # ids of this feed among the first min_tokens
+        head = ""
+        if unchecked > 0:
+            if unchecked >= num_new_tokens:
+                return matcher.push_unchecked(text)
+            # min_tokens ends inside this feed: its first ids' text is passed unchecked.
+            ids = unpack_int32_list(token_ids) if isinstance(token_ids, bytes) else token_ids
+            split = min(self.detokenizer.chars_for_tokens(ids, unchecked), len(text))
+            head, text = matcher.push_unchecked(text[:split]), text[split:]
+        else:
+            split = 0
+        emit, stop_index, chars_to_stop = matcher.push(text)
         if stop_index >= 0:
             # Only now map characters back to tokens: a replay of this step's few ids.
             ids = unpack_int32_list(token_ids) if isinstance(token_ids, bytes) else token_ids
-            tokens_before = self.num_tokens - num_new_tokens
-            self.num_tokens_to_stop = tokens_before + self.detokenizer.tokens_for_chars(ids, chars_to_stop)
+            self.num_tokens_to_stop = tokens_before + self.detokenizer.tokens_for_chars(ids, split + chars_to_stop)
             self.stop_index = stop_index
             self.finished = True
-        return emit
+        return head + emit

@@ -42,7 +42,7 @@ class StopStringMatcher:
 
     __slots__ = ("stops", "include_stop_str_in_output", "held_text", "_max_hold", "_prefixes",
                  "_first_chars", "_starts", "_first_char_set", "_done", "_prefixes_or_stops",
-                 "_shortest")
+                 "_shortest", "_unchecked")
 
     def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         if not stops:
@@ -58,6 +58,8 @@ class StopStringMatcher:
         (self._max_hold, self._shortest, self._prefixes, self._prefixes_or_stops, self._first_chars, self._starts,
          self._first_char_set) = _stop_set_tables(tuple(stops))
         self._done = False
+        # Characters at the start of held_text that push_unchecked let by: no stop ends in them.
+        self._unchecked = 0
 
     def could_start(self, text: str) -> bool:
         """Whether a stop could start in this new text: it holds one's first two chars, or
@@ -74,6 +76,7 @@ class StopStringMatcher:
         if self._done:
             return "", -1, 0
         held = self.held_text
+        unchecked, self._unchecked = self._unchecked, 0
         if held and text and self._first_chars.search(text) is None and not self._continued(held, text[0]):
             # Held text that text's first character ends as a possible stop start: a hit or a
             # new hold could only start in held (text starts none), so all of it goes out.
@@ -89,15 +92,18 @@ class StopStringMatcher:
         if first.start() == len(buf) - 1 and self._shortest > 1:
             # Only the last character may start a stop, and no stop is that short: no hit, and
             # that character is the hold (a "\n" ending a delta, with "\n\nObservation:").
+            # (One character holds no stop here, so none can end in it: nothing stays unchecked.)
             self.held_text = buf[-1]
             return buf[:-1], -1, 0
         best_end = -1
         best_index = -1
         best_len = 0
+        search_from = first.start()
         for index, stop in enumerate(self.stops):
             # held holds no whole stop (the last push would have found it), so this stop's
-            # first occurrence is also where it ends earliest.
-            start = buf.find(stop, first.start())
+            # first occurrence is also where it ends earliest; only unchecked held text may hold
+            # one, and a stop that ends in it is none.
+            start = buf.find(stop, max(search_from, unchecked - len(stop) + 1) if unchecked else search_from)
             if start < 0:
                 continue
             end = start + len(stop)
@@ -108,8 +114,21 @@ class StopStringMatcher:
             self.held_text = ""
             cut = best_end if self.include_stop_str_in_output else best_end - best_len
             return buf[:cut], best_index, best_end - len(held)
+        hold_from = self._hold_from(buf)
+        self.held_text = buf[hold_from:]
+        self._unchecked = max(0, unchecked - hold_from)  # unchecked text still held stays so
+        return buf[:hold_from], -1, 0
+
+    def push_unchecked(self, text: str) -> str:
+        """Text in which no stop may end (the first min_tokens ids' text): passed through, but
+        its tail that could start a stop stays held, so a stop that ends in later text is found
+        from its start (vLLM's rule: a stop may start in that text; one ending in it is none)."""
+        if self._done:
+            return ""
+        buf = self.held_text + text
         self.held_text = buf[self._hold_from(buf):]
-        return buf[:len(buf) - len(self.held_text)], -1, 0
+        self._unchecked = len(self.held_text)
+        return buf[:len(buf) - len(self.held_text)]
 
     def _continued(self, held: str, char: str) -> bool:
         """Whether some suffix of held, then char, is the start of a stop string (or one)."""

@@ -109,7 +109,7 @@ class DetokenizeStream:
             self._columns.retire(handle)
             self._emit_error(sequence_id, str(exc))
             return
-        sequence = DetokSequence(sequence_id, detokenizer, stop_matcher, renderer_for(decoding))
+        sequence = DetokSequence(sequence_id, detokenizer, stop_matcher, renderer_for(decoding), request.min_tokens)
         self._live[sequence_id] = sequence
         if handle:
             self._columns.bind(handle, sequence)

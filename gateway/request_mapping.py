@@ -282,4 +282,5 @@ def open_sequence(sequence_id: str, tokenizer: common_pb2.TokenizerIdentity,
         skip_special_tokens=params.skip_special_tokens,
         stop=params.stop,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        min_tokens=params.sampling.min_tokens if params.stop else 0,
     )

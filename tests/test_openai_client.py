@@ -199,6 +199,22 @@ def test_stop_strings_and_include_stop_str(client: openai.OpenAI, model: str) ->
     assert kept.choices[0].text == expected + stop
 
 
+def test_min_tokens_holds_off_stop_strings(client: openai.OpenAI, model: str, smollm2) -> None:
+    """vLLM's rule: a stop string counts where it ends after the first min_tokens tokens' text."""
+    (there,) = smollm2.encode(" there", add_special_tokens=False).ids
+    forced = {"logit_bias": {str(there): 100}, "max_tokens": 6, "temperature": 0, "stop": [" there"]}
+    unheld, _ = complete(client, model, **forced, extra_body={"ignore_eos": True})
+    assert unheld.choices[0].text == "" and unheld.choices[0].finish_reason == "stop"
+    full, chunks = complete(client, model, **forced, n=2, extra_body={"ignore_eos": True, "min_tokens": 3})
+    for choice in full.choices:
+        assert choice.text == " there there there" and choice.finish_reason == "stop"
+    assert full.usage.completion_tokens == 2 * 4  # the fourth token completed the stop
+    assert completion_texts(chunks) == {0: " there there there", 1: " there there there"}
+    reply, _ = chat(client, model, messages=[{"role": "user", "content": "hi"}], **forced,
+                    extra_body={"ignore_eos": True, "min_tokens": 2})
+    assert reply.choices[0].message.content == " there there"
+
+
 def test_stop_token_ids_and_ignore_eos(client: openai.OpenAI, model: str) -> None:
     free = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
