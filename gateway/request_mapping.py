@@ -167,7 +167,8 @@ def params_of_fields(body: GenerationRequest) -> dict[str, str]:
     constraint = "tool_choice" if forced_call else next(iter(body.output_constraints()), "")
     params = {"best_of": "best_of" if body.best_of is not None else "n", "n": "n",
               "diversity_penalty": "diversity_penalty", "length_penalty": "length_penalty",
-              "prompt_logprobs": "prompt_logprobs"}
+              "prompt_logprobs": "prompt_logprobs",
+              "top_logprobs": "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"}
     # SamplingParams fields the body sets under the same name (temperature, top_k, logit_bias...).
     params.update({f"sampling.{name}": name for name in _SAMPLING_FIELDS if name in type(body).model_fields})
     if constraint:

@@ -148,7 +148,7 @@ class LLMEngine:
         max_tokens = self.output_budget(len(prompt_token_ids), max_tokens)
         problem = validate_sampling_params(sampling, vocab, max_tokens)
         if problem is not None:
-            raise RequestRejected(invalid, problem)
+            raise RequestRejected(invalid, *problem)
         return max_tokens
 
     def add_request(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingParams, max_tokens: int,

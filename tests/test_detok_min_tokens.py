@@ -121,7 +121,7 @@ def run_stream(identity: common_pb2.TokenizerIdentity, ids: list[int], stops: li
     stream.apply(pb.DetokenizeFrame(opens=[pb.OpenSequence(
         sequence_id="s", tokenizer=identity, skip_special_tokens=True, stop=stops, min_tokens=min_tokens,
         include_stop_str_in_output=include, handle=1 if columns else 0)]))
-    text, num_tokens, stop_index = "", 0, -1
+    text, num_tokens = "", 0
     for start in range(0, len(ids), chunk):
         part, last = ids[start:start + chunk], start + chunk >= len(ids)
         if columns:

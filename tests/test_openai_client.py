@@ -555,7 +555,8 @@ def test_model_may_be_left_out(stack: Stack, model: str) -> None:
 @pytest.mark.parametrize("kw", [
     {"temperature": 3}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0}, {"presence_penalty": 9}, {"logit_bias": {"x": 1}},
     {"stop": ""}, {"extra_body": {"min_p": 2}}, {"extra_body": {"top_k": -5}}, {"extra_body": {"best_of": 1}, "n": 2},
-    {"extra_body": {"allowed_token_ids": [10**9]}}, {"logprobs": 99}, {"seed": "x"},
+    {"extra_body": {"allowed_token_ids": [10**9]}}, {"logprobs": 99}, {"seed": "x"}, {"seed": 2**63},
+    {"seed": -(2**63) - 1},
 ])
 def test_bad_values_are_400(client: openai.OpenAI, model: str, kw: dict[str, Any]) -> None:
     with pytest.raises(openai.BadRequestError) as info:
@@ -586,6 +587,11 @@ def test_a_model_worker_refusal_names_the_parameter(client: openai.OpenAI, model
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=model, prompt="hi", max_tokens=2, **kw)
         assert "must be <= 8" in str(info.value) and info.value.param == param
+    # The sampler's checks name theirs too (min_tokens past the output budget: a chat request
+    # without max_tokens has the rest of the context).
+    with pytest.raises(openai.BadRequestError, match="min_tokens") as info:
+        client.chat.completions.create(model=model, messages=HELLO, extra_body={"min_tokens": 300})
+    assert info.value.param == "min_tokens"
 
 
 def test_return_tokens_as_token_ids_labels_the_logprob_tokens(client: openai.OpenAI, model: str,
