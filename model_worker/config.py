@@ -51,7 +51,8 @@ class Config(WorkerServerOptions):
                 "SGLang's and vLLM's --stream-interval: fewer, larger frames, text deltas and SSE events "
                 "for smoother throughput under load, at the cost of burstier streams; 1: every step"})
     max_waiting_requests: int = field(default=1024, metadata={
-        "help": "queued requests beyond which adds are refused with RESOURCE_EXHAUSTED"})
+        "help": "new requests waiting beyond the free seats (--max-num-seqs), past which adds are refused "
+                "with RESOURCE_EXHAUSTED; a running request's preempted samples do not count"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads; 0: torch's default"})
     keep_freed_host_memory: bool = field(default=True, metadata={
         "help": "glibc malloc keeps freed scratch memory for the next step instead of unmapping it "

@@ -204,14 +204,17 @@ class LLMEngine:
             self._grammars[seq.seq_id] = grammar.new_matcher()
             if grammar_wait is not None and grammar_wait.after:
                 self._grammar_waits[seq.seq_id] = dataclasses.replace(grammar_wait)  # its own: the first token clears opener
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, queued=not admitted)
         return seq
 
     def check_waiting_room(self, num_requests: int) -> None:
-        """Raises RESOURCE_EXHAUSTED (retry later) unless num_requests more fit in the waiting queue."""
-        if len(self.scheduler.waiting) + num_requests > self.max_waiting_requests:
+        """Raises RESOURCE_EXHAUSTED (retry later) unless num_requests more fit in the waiting queue:
+        new requests that free seats will not take at the next step (Scheduler.num_queued_beyond_seats;
+        a running request's preempted samples and a search's rounds take no room)."""
+        queued = self.scheduler.num_queued_beyond_seats()
+        if queued + num_requests > self.max_waiting_requests:
             raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"{len(self.scheduler.waiting)} requests are already waiting; try again later")
+                                  f"{queued} requests are already waiting; try again later")
 
     def abort_request(self, seq_id: int) -> list[SequenceOutput]:
         """Ends every sample of the request and frees their blocks now. Returns one ABORT

@@ -61,6 +61,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first; preemption takes from the end
         self.num_preemptions = 0
+        # id() of the waiting sequences that are requests not yet admitted (added with queued=True):
+        # `waiting` also holds preempted sequences of running requests and beam-search rounds.
+        self._queued: set[int] = set()
 
     @property
     def num_unfinished(self) -> int:
@@ -69,8 +72,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, queued: bool = True) -> None:
+        """queued: seq is a new request, counted by num_queued_beyond_seats until admitted."""
         self.waiting.append(seq)
+        if queued:
+            self._queued.add(id(seq))
+
+    def num_queued_beyond_seats(self) -> int:
+        """New requests waiting that the seats left would not take at once (the waiting room's
+        measure): not preempted sequences or a search's rounds, which belong to admitted requests,
+        and not the requests of a burst that free seats admit at the next step."""
+        seats_taken = sum(1 + seq.num_pending_forks for seq in self.running)
+        # Preempted sequences and rounds go first (preemption puts them at the front); a seat each,
+        # without walking the queue on every add.
+        seats_taken += len(self.waiting) - len(self._queued)
+        return max(0, len(self._queued) - max(0, self.max_num_seqs - seats_taken))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -128,6 +144,7 @@ class Scheduler:
             if n == 0:
                 break
             self.waiting.popleft()
+            self._queued.discard(id(seq))
             if not seq.output_token_ids:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
             self.running.append(seq)
@@ -158,6 +175,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Drops a finished or aborted sequence and frees its blocks at once."""
         self.block_manager.deallocate(seq)
+        self._queued.discard(id(seq))
         if seq in self.running:
             self.running.remove(seq)
         else:

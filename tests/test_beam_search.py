@@ -156,12 +156,13 @@ def test_a_search_is_admitted_as_one_request_whatever_its_width(tiny_model_dir):
     engine = make_engine(tiny_model_dir, max_waiting_requests=2)
     outputs = run_beam(engine, [1, 2, 3], max_tokens=3, n=2, best_of=4, diversity_penalty=1.0)
     assert {o.index for o in outputs} == {0, 1} and not engine.has_work()
-    for seq_id in (1, 2):
+    # The 8 seats take the first 8 requests at the next step; 2 more fill the waiting room.
+    for seq_id in range(1, 11):
         engine.add_request(seq_id, [1, 2], SamplingParams(), max_tokens=2, stop_token_ids=[], ignore_eos=True)
-    with pytest.raises(RequestRejected, match="already waiting") as info:
+    with pytest.raises(RequestRejected, match="2 requests are already waiting") as info:
         run_beam(engine, [1, 2, 3], max_tokens=4, n=1, best_of=4, diversity_penalty=1.0)
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert sorted(engine.groups) == [1, 2] and len(engine.scheduler.waiting) == 2
+    assert sorted(engine.groups) == list(range(1, 11)) and len(engine.scheduler.waiting) == 10
 
 
 def test_later_rounds_are_not_refused_when_other_requests_fill_the_queue(tiny_model_dir):
