@@ -41,12 +41,16 @@ class BlockCopy:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 share_blocks_on_fork: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # False where each sequence keeps its own cache (the transformers fallback): a forked
+        # sample holds a copy of its parent's, so it takes blocks of its own to count it.
+        self.share_blocks_on_fork = share_blocks_on_fork
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free and never-cached (or evicted) blocks, popped from the end: lowest id first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -171,15 +175,24 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         return copies
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
         """child shares every block of parent (ref counts up); the first write into a shared
-        partial block copies it (append_slots)."""
+        partial block copies it (append_slots). Without share_blocks_on_fork, child takes as many
+        blocks of its own instead, for the copy of parent's cache it will hold; False (changing
+        nothing) when there are not that many free."""
         assert not child.block_table
+        if not self.share_blocks_on_fork:
+            if len(parent.block_table) > self.num_free_blocks:
+                return False
+            child.block_table = [self._take_free_block() for _ in parent.block_table]
+            child.num_computed_tokens = parent.num_computed_tokens
+            return True
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         self._seq_hashes[child.seq_id] = list(self._seq_hashes.get(parent.seq_id, []))
+        return True
 
     def deallocate(self, seq: Sequence) -> None:
         """Releases seq's blocks (finish, abort or preemption); cached ones stay evictable."""

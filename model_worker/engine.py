@@ -95,9 +95,11 @@ class LLMEngine:
         self.max_waiting_requests = max_waiting_requests
         self.max_best_of = max_best_of
         kv = runner.kv_cache
-        # The transformers fallback keeps KV per sequence: no blocks to share by content.
+        # The transformers fallback keeps KV per sequence: no blocks to share by content, and a
+        # forked sample's copied cache takes blocks of its own.
         self.block_manager = BlockManager(kv.num_blocks, kv.block_size,
-                                          enable_prefix_caching and runner.supports_prefix_caching)
+                                          enable_prefix_caching and runner.supports_prefix_caching,
+                                          share_blocks_on_fork=runner.supports_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.sampler = Sampler(runner.vocab_size, runner.device, runner.argmax, runner.gumbel_argmax,
                                runner.top_p_rows)

@@ -160,9 +160,14 @@ class Scheduler:
             self.block_manager.cache_full_blocks(chunk.seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """child (same tokens as parent) starts running on parent's blocks, shared."""
-        self.block_manager.fork(parent, child)
-        self.running.append(child)
+        """child (same tokens as parent) starts running on parent's blocks, shared (or on blocks
+        of its own where caches are per sequence); with too few free for that, it waits as a
+        preempted sequence does and recomputes its tokens once admitted."""
+        if self.block_manager.fork(parent, child):
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            self.waiting.appendleft(child)
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute, not swap: its full blocks stay in the prefix cache, so re-admission

@@ -70,12 +70,13 @@ def test_ragged_steps_match_transformers(tmp_path, tiny_model_dir, architecture)
 
 def test_forks_and_preemption_give_transformers_tokens(neox):
     model, model_dir = neox
-    # Room for 64 tokens in all: four sequences of up to 45 tokens preempt each other.
+    # Room for 64 tokens in all: two sequences of 40 and 45 tokens preempt each other, and the
+    # forked samples wait for blocks of their own.
     runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=8, max_model_len=64,
                          kv_cache_tokens=64)
     engine = LLMEngine(runner, [], max_num_seqs=8, max_num_batched_tokens=16, max_waiting_requests=16)
     assert not engine.block_manager.enable_prefix_caching
-    prompts = {0: PROMPTS[0], 1: PROMPTS[2], 2: PROMPTS[3]}
+    prompts = {0: PROMPTS[0], 1: PROMPTS[2], 2: PROMPTS[0][5:]}
     engine.add_request(0, prompts[0], SamplingParams(), 8, [], True)
     engine.add_request(1, prompts[1], SamplingParams(), 8, [], True, n=3)
     engine.add_request(2, prompts[2], SamplingParams(), 8, [], True)
@@ -92,6 +93,30 @@ def test_forks_and_preemption_give_transformers_tokens(neox):
     # Caches of finished sequences go at the next step's start (here: by hand), none stay.
     runner.model.drop_freed_caches()
     assert runner.model.num_cached_sequences == 0
+
+
+def test_the_kv_budget_bounds_the_copies_forked_samples_hold(neox):
+    """Each sample's cache is its own copy here, so each takes blocks of its own (review finding:
+    8 samples of a 48-token prompt held 408 tokens in caches against a 192-token budget while the
+    block manager counted the shared blocks once). Samples without room wait and recompute."""
+    model, model_dir = neox
+    runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=8, max_model_len=64,
+                         kv_cache_tokens=192)
+    engine = LLMEngine(runner, [], max_num_seqs=8, max_num_batched_tokens=64, max_waiting_requests=16)
+    budget = engine.block_manager.num_blocks * engine.block_manager.block_size
+    prompt = list(range(100, 148))
+    engine.add_request(0, prompt, SamplingParams(), 4, [], True, n=8)
+    tokens: dict[int, list[int]] = {}
+    most_held = 0
+    while engine.has_work():
+        for out in engine.step():
+            if out.token_id is not None:
+                tokens.setdefault(out.index, []).append(out.token_id)
+        most_held = max(most_held, sum(c.num_tokens for c in runner.model._caches.values()))
+    assert 48 * 2 < most_held <= budget  # some samples ran side by side, within the budget
+    expected = hf_greedy(model, prompt, 4)
+    assert tokens == {index: expected for index in range(8)}  # greedy: every sample the same tokens
+    assert engine.block_manager.num_used_blocks == 0
 
 
 def test_fork_copies_the_parent_cache_instead_of_recomputing(neox):

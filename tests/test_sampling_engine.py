@@ -163,7 +163,8 @@ def test_ids_past_the_tokenizer_are_never_picked(runner, tiny_model_dir):
 
 
 def test_a_bad_request_is_refused_as_bad_even_when_the_queue_is_full(runner):
-    engine = LLMEngine(runner, [], max_num_seqs=16, max_num_batched_tokens=512, max_waiting_requests=1)
+    engine = LLMEngine(runner, [], max_num_seqs=1, max_num_batched_tokens=512, max_waiting_requests=1)
+    engine.add_request(0, [5, 6, 7], SamplingParams(), 4, [], True)  # the one seat takes it
     engine.add_request(1, [5, 6, 7], SamplingParams(), 4, [], True)  # waits: the queue is full
     with pytest.raises(RequestRejected) as bad:
         engine.add_request(2, [5, 6, 7], SamplingParams(), 4, [], True, n=2, best_of=1)
