@@ -292,7 +292,8 @@ async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Seque
     except BaseException:
         await events.aclose()
         raise
-    return StreamingResponse(sse_stream(first, events, responder, num_choices, num_prompt_tokens),
+    choice_prompt_tokens = [len(prompt_ids) for prompt_ids in prompts for _ in range(params.n)]
+    return StreamingResponse(sse_stream(first, events, responder, num_prompt_tokens, choice_prompt_tokens),
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -606,9 +606,10 @@ ChoiceEvents = AsyncGenerator[tuple[int, GenerationEvent], None]
 
 
 async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, responder: Responder,
-                     num_choices: int, num_prompt_tokens: int) -> AsyncIterator[str]:
+                     num_prompt_tokens: int, choice_prompt_tokens: Sequence[int]) -> AsyncIterator[str]:
     """The SSE body after the first event: every chunk (choices interleaved as their events come),
-    the usage chunk if asked, then [DONE]."""
+    the usage chunk if asked, then [DONE]. choice_prompt_tokens: each choice's prompt's length."""
+    num_choices = len(choice_prompt_tokens)
     num_output_tokens = [0] * num_choices
     num_cached = [0] * num_choices
     with_usage = responder.include_usage
@@ -617,17 +618,22 @@ async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, r
     def totals() -> UsageCounts:
         return UsageCounts(num_prompt_tokens, sum(num_output_tokens), responder.num_cached_prompt_tokens(num_cached))
 
+    def choice_usage(index: int) -> UsageCounts:
+        """continuous_usage_stats' counts in a choice's chunk: its prompt's and its own, as vLLM's."""
+        return UsageCounts(choice_prompt_tokens[index], num_output_tokens[index], num_cached[index])
+
     async def event_chunk(index: int, event: GenerationEvent) -> str | None:
         num_output_tokens[index] = event.num_output_tokens
         num_cached[index] = event.num_cached_prompt_tokens
         await responder.prepare(index, event)
-        chunk = responder.stream_chunk_json(index, event, totals() if continuous_usage else None, with_usage)
+        chunk = responder.stream_chunk_json(index, event, choice_usage(index) if continuous_usage else None,
+                                            with_usage)
         return None if chunk is None else sse_data(chunk)
 
     try:
-        for chunk in responder.first_chunks(num_choices):
+        for index, chunk in enumerate(responder.first_chunks(num_choices)):
             if continuous_usage:  # the role chunks too, as vLLM's: the prompt, nothing generated yet
-                chunk.usage = totals().model()
+                chunk.usage = choice_usage(index).model()
             yield sse_event(chunk, with_usage)
         chunk = await event_chunk(*first)
         if chunk is not None:

@@ -164,7 +164,7 @@ async def test_sse_stream_chat_with_usage() -> None:
     responder = ChatResponder("m", ByteSpeller(), logprobs=False, include_usage=True)
     first = (0, event("a", [97]))
     rest = events_then([(0, event("b", [98], finish="stop", total=2))])
-    parts = await collect(sse_stream(first, rest, responder, 1, num_prompt_tokens=3))
+    parts = await collect(sse_stream(first, rest, responder, 3, [3] * 1))
     assert parts[-1] == SSE_DONE and all(p.startswith("data: ") and p.endswith("\n\n") for p in parts)
     bodies = [json.loads(p.removeprefix("data: ")) for p in parts[:-1]]
     assert [b["choices"][0]["delta"] for b in bodies[:3]] == [{"role": "assistant", "content": ""},
@@ -175,7 +175,7 @@ async def test_sse_stream_chat_with_usage() -> None:
 async def test_sse_stream_failure_after_start_is_an_error_event_then_done() -> None:
     responder = CompletionResponder("m", ByteSpeller(), logprobs=False, prompts=[PROMPT], include_usage=True)
     rest = events_then([APIError(503, "lost the detok worker stream")])
-    parts = await collect(sse_stream((0, event("a", [97])), rest, responder, 1, num_prompt_tokens=3))
+    parts = await collect(sse_stream((0, event("a", [97])), rest, responder, 3, [3] * 1))
     assert parts[-1] == SSE_DONE
     error = json.loads(parts[-2].removeprefix("data: "))
     assert error == {"error": {"message": "lost the detok worker stream", "type": "service_unavailable_error",
@@ -187,7 +187,7 @@ async def test_sse_stream_interleaves_choices_and_counts_usage_over_all() -> Non
     responder = CompletionResponder("m", ByteSpeller(), logprobs=False, prompts=[PROMPT], n=2, include_usage=True)
     rest = events_then([(1, event("b", [98])), (0, event("c", [99], finish="stop", total=2)),
                         (1, event("d", [100], finish="length", total=2))])
-    parts = await collect(sse_stream((0, event("a", [97])), rest, responder, 2, num_prompt_tokens=3))
+    parts = await collect(sse_stream((0, event("a", [97])), rest, responder, 3, [3] * 2))
     bodies = [json.loads(p.removeprefix("data: ")) for p in parts[:-1]]
     assert [(b["choices"][0]["index"], b["choices"][0]["text"]) for b in bodies[:-1]] == [
         (0, "a"), (1, "b"), (0, "c"), (1, "d")]
@@ -199,7 +199,7 @@ async def test_sse_stream_interleaves_choices_and_counts_usage_over_all() -> Non
 async def test_sse_stream_without_include_usage_has_no_usage_key() -> None:
     responder = ChatResponder("m", ByteSpeller(), logprobs=False, include_usage=False)
     rest = events_then([(0, event("b", [98], finish="stop"))])
-    parts = await collect(sse_stream((0, event("a", [97])), rest, responder, 1, num_prompt_tokens=3))
+    parts = await collect(sse_stream((0, event("a", [97])), rest, responder, 3, [3] * 1))
     bodies = [json.loads(p.removeprefix("data: ")) for p in parts[:-1]]
     assert bodies and all("usage" not in b for b in bodies) and parts[-1] == SSE_DONE
 
@@ -303,7 +303,7 @@ async def test_reasoning_is_split_off_the_same_streamed_and_whole(parser: str) -
     assert message["message"]["content"] == "Sure." and message["finish_reason"] == "tool_calls"
     assert message["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
 
-    parts = await collect(sse_stream(events[0], events_then(events[1:]), responder(), 1, num_prompt_tokens=3))
+    parts = await collect(sse_stream(events[0], events_then(events[1:]), responder(), 3, [3] * 1))
     deltas = [c["choices"][0]["delta"] for c in (json.loads(p[6:]) for p in parts if p.startswith("data: {"))]
     assert all(deltas), deltas  # no empty chunks while a tag is held back
     assert "".join(d.get("reasoning", "") for d in deltas) == "\nweigh it\n"
@@ -351,7 +351,7 @@ async def test_a_named_call_with_no_text_after_the_thinking_is_no_call() -> None
         out.add(e)
     message = responder().response([out], 3).model_dump()["choices"][0]["message"]
     assert not message.get("tool_calls") and message["content"] is None and message["reasoning"] == "still thinking"
-    parts = await collect(sse_stream(events[0], events_then(events[1:]), responder(), 1, num_prompt_tokens=3))
+    parts = await collect(sse_stream(events[0], events_then(events[1:]), responder(), 3, [3] * 1))
     deltas = [c["choices"][0]["delta"] for c in (json.loads(p[6:]) for p in parts if p.startswith("data: {"))]
     assert not any(d.get("tool_calls") for d in deltas)
     assert "".join(d.get("reasoning") or "" for d in deltas) == "still thinking"
@@ -376,7 +376,7 @@ async def test_with_a_deferred_grammar_the_thinking_ends_at_its_token_not_at_a_s
         out.add(e)
     message = responder().response([out], 3).model_dump()["choices"][0]["message"]
     assert (message["reasoning"], message["content"]) == ("a </think> b", " no")
-    parts = await collect(sse_stream(events[0], events_then(events[1:]), responder(), 1, num_prompt_tokens=3))
+    parts = await collect(sse_stream(events[0], events_then(events[1:]), responder(), 3, [3] * 1))
     deltas = [c["choices"][0]["delta"] for c in (json.loads(p[6:]) for p in parts if p.startswith("data: {"))]
     assert "".join(d.get("reasoning") or "" for d in deltas) == "a </think> b"
     assert "".join(d.get("content") or "" for d in deltas) == " no"

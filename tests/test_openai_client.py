@@ -284,6 +284,17 @@ def test_continuous_usage_stats_gives_a_running_count_in_every_chunk(client: ope
     # Every chunk, the opening role chunk included, carries the running count.
     assert chat_chunks[0].choices[0].delta.role == "assistant" and chat_chunks[0].usage.completion_tokens == 0
     assert all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chat_chunks)
+    # With several choices each chunk counts its own choice and its own prompt (vLLM's
+    # previous_num_tokens[i], num_prompt_tokens[prompt_idx]); the last chunk, the whole request.
+    batch = list(client.completions.create(
+        model=model, prompt=[[5, 6], [5, 6, 7, 8, 9]], n=2, max_tokens=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    for index, prompt_len in enumerate([2, 2, 5, 5]):
+        counts = [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in batch
+                  if c.choices and c.choices[0].index == index]
+        running = [n for _, n in counts]  # a chunk may carry two tokens (text held for a whole character)
+        assert running == sorted(set(running)) and running[-1] == 3 and {p for p, _ in counts} == {prompt_len}
+    assert (batch[-1].usage.prompt_tokens, batch[-1].usage.completion_tokens) == (7, 12)
 
 
 def test_logprobs_chat_and_completions(client: openai.OpenAI, model: str) -> None:
