@@ -17,7 +17,8 @@ from tokenwire.packing import unpack_int32_list
 
 class DetokSequence:
     __slots__ = ("sequence_id", "detokenizer", "token_bytes", "stop_matcher", "stop_search", "renderer",
-                 "num_tokens", "num_reported", "finished", "stop_index", "num_tokens_to_stop", "handle", "min_tokens")
+                 "num_tokens", "num_reported", "finished", "stop_index", "num_tokens_to_stop", "handle", "min_tokens",
+                 "unchecked_chars_owed")
 
     def __init__(self, sequence_id: str, detokenizer: ByteLevelDetokenizer | WindowDetokenizer,
                  stop_matcher: StopStringMatcher | None, renderer: TokenRenderer, min_tokens: int = 0) -> None:
@@ -43,6 +44,9 @@ class DetokSequence:
         self.handle = 0
         # OpenSequence.min_tokens: no stop ends in the text of the first this many ids.
         self.min_tokens = min_tokens
+        # Characters of that text the detokenizer has not let out yet (the window detokenizer holds
+        # an open byte run): the next text's first this many pass the matcher unchecked.
+        self.unchecked_chars_owed = 0
 
     @property
     def stopped(self) -> bool:
@@ -79,25 +83,35 @@ class DetokSequence:
 
     def match_stops(self, text: str, token_ids: Sequence[int] | bytes, num_new_tokens: int) -> str:
         """text passed through the stop matcher; token_ids (a list or int32 LE bytes) are the
-        num_new_tokens ids just fed that produced it, replayed only on a hit."""
+        num_new_tokens ids just fed that produced it, replayed only on a hit. The text of the first
+        min_tokens ids goes through unchecked (vLLM's rule), however long the detokenizer held it."""
         matcher = self.stop_matcher
         assert matcher is not None
         tokens_before = self.num_tokens - num_new_tokens
-        unchecked = self.min_tokens - tokens_before  # ids of this feed among the first min_tokens
-        head = ""
-        if unchecked > 0:
-            if unchecked >= num_new_tokens:
-                return matcher.push_unchecked(text)
-            # min_tokens ends inside this feed: its first ids' text is passed unchecked.
+        ids: Sequence[int] | None = None
+        if not num_new_tokens and self.num_tokens <= self.min_tokens:
+            return matcher.push_unchecked(text)  # the finish of an output no longer than min_tokens
+        if self.min_tokens > tokens_before:  # some ids of this feed are among the first min_tokens
             ids = unpack_int32_list(token_ids) if isinstance(token_ids, bytes) else token_ids
-            split = min(self.detokenizer.chars_for_tokens(ids, unchecked), len(text))
+            unchecked_ids = min(self.min_tokens - tokens_before, num_new_tokens)
+            # Their characters since the last text out (a held byte run's included).
+            chars = self.detokenizer.chars_for_tokens(ids, unchecked_ids)
+            if unchecked_ids == num_new_tokens:
+                self.unchecked_chars_owed = max(0, chars - len(text))
+                return matcher.push_unchecked(text)
+            self.unchecked_chars_owed = chars
+        split = min(self.unchecked_chars_owed, len(text))
+        head = ""
+        if split:
+            self.unchecked_chars_owed -= split
             head, text = matcher.push_unchecked(text[:split]), text[split:]
-        else:
-            split = 0
+            if not text:
+                return head
         emit, stop_index, chars_to_stop = matcher.push(text)
         if stop_index >= 0:
             # Only now map characters back to tokens: a replay of this step's few ids.
-            ids = unpack_int32_list(token_ids) if isinstance(token_ids, bytes) else token_ids
+            if ids is None:
+                ids = unpack_int32_list(token_ids) if isinstance(token_ids, bytes) else token_ids
             self.num_tokens_to_stop = tokens_before + self.detokenizer.tokens_for_chars(ids, split + chars_to_stop)
             self.stop_index = stop_index
             self.finished = True

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from detok_worker.stop_strings import StopStringMatcher
 from detok_worker.stream import DetokenizeStream
+from tests.detok_tokenizers import llama2_style
 from tokenwire.packing import pack_int32, unpack_int32
 from tokenwire.tokenizer_files import tokenizer_identity
 from tokenwire.v1 import common_pb2
@@ -188,3 +189,69 @@ def test_include_stop_str_in_output_with_min_tokens(smollm2, smollm2_identity):
         got = run_stream(smollm2_identity, ids, ["e"], 4, 1, columns, include=True)
         assert got == vllm_rule(smollm2, ids, ["e"], 4, include=True)
         assert got[1] == 0 and got[0].endswith("e") and len(got[0]) > len(smollm2.decode(ids[:4]))
+
+
+@pytest.fixture(scope="module")
+def byte_fallback(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, common_pb2.TokenizerIdentity]:
+    """A Llama-2-style tokenizer (SentencePiece pieces, <0xNN> byte fallback): the window
+    detokenizer holds an open byte run's text until a later id ends the run."""
+    tokenizer = llama2_style()
+    directory = tmp_path_factory.mktemp("byte-fallback")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return tokenizer, tokenizer_identity(directory)
+
+
+@pytest.mark.parametrize("chunks", [[1] * 8, [8], [2, 3, 3], [3, 2, 3], [4, 4]])
+def test_text_the_detokenizer_held_past_min_tokens_stays_unchecked(byte_fallback, chunks):
+    """Review finding: the bytes of "€" are ids 2-4 of 'Hello€ ok' with min_tokens 4; the window
+    detokenizer lets "€" out only with the next id, past min_tokens, and that text was checked."""
+    tokenizer, identity = byte_fallback
+    hello = tokenizer.encode("Hello", add_special_tokens=False).ids
+    euro = [tokenizer.token_to_id(f"<0x{byte:02X}>") for byte in "€".encode()]
+    ok = tokenizer.encode(" ok", add_special_tokens=False).ids
+    ids = hello + euro + ok
+    min_tokens = len(hello) + len(euro)
+    assert tokenizer.decode(ids[:min_tokens]) == "Hello€" and len(ids) == sum(chunks)
+    for stops in (["€"], ["llo€"]):
+        expected = vllm_rule(tokenizer, ids, stops, min_tokens, include=False)
+        assert expected == (tokenizer.decode(ids), -1, len(ids))
+        assert run_stream_chunks(identity, ids, stops, min_tokens, chunks) == expected
+    # A stop that starts in that held text and ends after it still counts.
+    stops = ["€ ok"] if tokenizer.decode(ids).endswith("€ ok") else ["€  ok"]
+    assert run_stream_chunks(identity, ids, stops, min_tokens, chunks) == vllm_rule(
+        tokenizer, ids, stops, min_tokens, include=False)
+
+
+def test_an_output_no_longer_than_min_tokens_is_never_checked(byte_fallback, smollm2, smollm2_identity):
+    """vLLM checks stop strings only once the output is longer than min_tokens: text the finish
+    flushes (a held byte run, an unfinished character) is not checked either."""
+    tokenizer, identity = byte_fallback
+    ids = tokenizer.encode("Hello", add_special_tokens=False).ids + [
+        tokenizer.token_to_id(f"<0x{byte:02X}>") for byte in "€".encode()]
+    assert run_stream_chunks(identity, ids, ["€"], len(ids), [1] * len(ids)) == ("Hello€", -1, len(ids))
+    # SmolLM2: the first byte of "€" alone ends the output; the finish flushes it as U+FFFD.
+    euro_first_byte = [i for i in range(smollm2.get_vocab_size()) if smollm2.id_to_token(i) == "â"]
+    if euro_first_byte:
+        ids = smollm2.encode("Hi", add_special_tokens=False).ids + euro_first_byte[:1]
+        got = run_stream_chunks(smollm2_identity, ids, [REPLACEMENT_CHAR], len(ids), [1] * len(ids))
+        assert got[1] == -1 and got[2] == len(ids)
+
+
+def run_stream_chunks(identity: common_pb2.TokenizerIdentity, ids: list[int], stops: list[str], min_tokens: int,
+                      chunks: list[int]) -> tuple[str, int, int]:
+    """run_stream with frames of the given sizes (entries, not columns)."""
+    stream = DetokenizeStream()
+    stream.apply(pb.DetokenizeFrame(opens=[pb.OpenSequence(
+        sequence_id="s", tokenizer=identity, skip_special_tokens=True, stop=stops, min_tokens=min_tokens)]))
+    text, num_tokens, start = "", 0, 0
+    for size in chunks:
+        part, start = ids[start:start + size], start + size
+        reply = stream.apply(pb.DetokenizeFrame(tokens=[pb.SequenceTokenIds(
+            sequence_id="s", token_ids=pack_int32(part), finished=start >= len(ids))]))
+        for delta in reply.deltas:
+            assert not delta.error, delta.error
+            text += delta.text
+            num_tokens += delta.num_tokens
+            if delta.finished:
+                return text, delta.stop_index, num_tokens
+    raise AssertionError("the sequence never finished")
