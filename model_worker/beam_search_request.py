@@ -95,17 +95,20 @@ class BeamSearchRequest:
         failed half way by other requests filling it."""
         self.engine.check_waiting_room(1)
         try:
-            self._add_round()
+            self._add_round(first=True)
         except RequestRejected:
             self.abort()
             raise
 
-    def _add_round(self) -> None:
+    def _add_round(self, first: bool = False) -> None:
+        """first: the search's first round, whose first request counts in the waiting room for the
+        search until admitted (the others, and later rounds, take no room)."""
         self._results.clear()
         for beam_index, beam in enumerate(self.search.beams):
             seq_id = self.new_seq_id()
             self.engine.add_request(seq_id, self.prompt_token_ids + beam.token_ids, self.round_sampling,
-                                    max_tokens=1, stop_token_ids=[], ignore_eos=True, admitted=True)
+                                    max_tokens=1, stop_token_ids=[], ignore_eos=True, admitted=True,
+                                    queued=first and beam_index == 0)
             self.in_flight[seq_id] = beam_index
 
     def on_output(self, out: SequenceOutput) -> list[SequenceOutput] | None:

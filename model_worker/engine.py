@@ -156,12 +156,13 @@ class LLMEngine:
     def add_request(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingParams, max_tokens: int,
                     stop_token_ids: list[int], ignore_eos: bool, n: int = 1, best_of: int = 0,
                     grammar: CompiledGrammar | None = None, grammar_wait: GrammarWait | None = None,
-                    admitted: bool = False) -> Sequence:
+                    admitted: bool = False, queued: bool | None = None) -> Sequence:
         """Validates and queues a request (seq_id: the caller's request id) with n outputs from
         best_of samples (0: n); returns its first sample. Raises RequestRejected with a clear message.
         grammar_wait: the grammar applies once the output holds some tokens (a reasoning model's
         end of thinking). admitted: a round of a request whose room was already checked (beam
-        search's), so a full waiting queue does not end it half way."""
+        search's), so a full waiting queue does not end it half way. queued: it counts in the waiting
+        room until admitted (default: not admitted; a search's first round does, as its request)."""
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         max_tokens = self.validate_request(prompt_token_ids, sampling, max_tokens, stop_token_ids)
         if grammar is not None and grammar_wait is not None and not all(
@@ -206,7 +207,7 @@ class LLMEngine:
             self._grammars[seq.seq_id] = grammar.new_matcher()
             if grammar_wait is not None and grammar_wait.after:
                 self._grammar_waits[seq.seq_id] = dataclasses.replace(grammar_wait)  # its own: the first token clears opener
-        self.scheduler.add(seq, queued=not admitted)
+        self.scheduler.add(seq, queued=not admitted if queued is None else queued)
         return seq
 
     def check_waiting_room(self, num_requests: int) -> None:

@@ -82,11 +82,20 @@ class Scheduler:
         """New requests waiting that the seats left would not take at once (the waiting room's
         measure): not preempted sequences or a search's rounds, which belong to admitted requests,
         and not the requests of a burst that free seats admit at the next step."""
-        seats_taken = sum(1 + seq.num_pending_forks for seq in self.running)
-        # Preempted sequences and rounds go first (preemption puts them at the front); a seat each,
-        # without walking the queue on every add.
-        seats_taken += len(self.waiting) - len(self._queued)
-        return max(0, len(self._queued) - max(0, self.max_num_seqs - seats_taken))
+        free = self.max_num_seqs - sum(1 + seq.num_pending_forks for seq in self.running)
+        # Preempted sequences and rounds go first (preemption puts them at the front): a seat each.
+        free -= len(self.waiting) - len(self._queued)
+        admitted_next = 0
+        if free > 0:  # the new requests, in order, that the free seats take (one per sample of each)
+            for seq in self.waiting:
+                if id(seq) not in self._queued:
+                    continue
+                seats = 1 + seq.num_pending_forks
+                if seats > free:
+                    break
+                free -= seats
+                admitted_next += 1
+        return len(self._queued) - admitted_next
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens

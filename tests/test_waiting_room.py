@@ -35,7 +35,7 @@ def test_a_burst_fills_the_free_seats_before_the_waiting_room(tiny_model_dir):
     assert len(engine.scheduler.running) == 4 and len(engine.scheduler.waiting) == 4
     with pytest.raises(RequestRejected, match="4 requests are already waiting"):
         add(engine, 8)
-    # A request with n samples holds a seat for each: 2 + 2 of them fill 4 seats.
+    # A request with n samples holds a seat for each, queued or running: 2 + 2 of them fill 4 seats.
     other = make_engine(tiny_model_dir, max_num_seqs=4, max_waiting=1)
     add(other, 0, n=2)
     other.step()
@@ -61,3 +61,35 @@ def test_preempted_samples_of_a_running_request_take_no_waiting_room(tiny_model_
     while engine.has_work():
         engine.step()
     assert not engine.groups and engine.block_manager.num_used_blocks == 0
+
+
+def test_a_queued_request_with_n_samples_takes_a_seat_for_each(tiny_model_dir):
+    # Review finding: four n=4 requests fit 4 seats once each, not four times.
+    engine = make_engine(tiny_model_dir, max_num_seqs=4, max_waiting=1)
+    add(engine, 0, n=4)  # its 4 samples take the 4 seats at the next step
+    add(engine, 1, n=4)  # waits
+    with pytest.raises(RequestRejected, match="1 requests are already waiting"):
+        add(engine, 2, n=4)
+
+
+def test_a_beam_search_waits_as_one_request(tiny_model_dir):
+    """Review finding: a search's rounds are added as admitted, so searches never counted in the
+    waiting room (40 were taken with room for 1); its first round's request now counts for it."""
+    from model_worker.beam_search_request import BeamSearchRequest
+
+    engine = make_engine(tiny_model_dir, max_num_seqs=2, max_waiting=1)
+    ids = iter(range(1000, 10**6))
+
+    def search(seq_id: int) -> BeamSearchRequest:
+        request = BeamSearchRequest(engine, lambda: next(ids), seq_id, [5, 6, 7], SamplingParams(), 3, [], True, 1,
+                                    2, 1.0, 0.0)
+        request.start()
+        return request
+
+    search(1)
+    search(2)  # the 2 seats take the first two searches' first rounds
+    search(3)  # waits
+    with pytest.raises(RequestRejected, match="1 requests are already waiting"):
+        search(4)
+    with pytest.raises(RequestRejected, match="1 requests are already waiting"):
+        add(engine, 5)  # a plain request sees the same room
