@@ -206,7 +206,7 @@ def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
             echoes.append(PromptEcho(text, ids))
         params = generation_params(body, tokenizer.encode_words)
         check_params_vocab(params, pipeline.model_info.vocab_size)
-        await _check_batch_fits(pipeline, len(echoes))
+        await _check_batch_fits(pipeline, len(echoes), body.n)
         model = body.model or request.app.state.served_model_name
         responder = CompletionResponder(model, speller_for(body, pipeline), body.logprobs is not None, echoes,
                                         n=body.n, echo=body.echo, include_usage=body.include_usage,
@@ -236,16 +236,16 @@ def speller_for(body: ChatCompletionRequest | CompletionRequest, pipeline: Pipel
     return TokenIdLabels(renderer) if body.return_tokens_as_token_ids else renderer
 
 
-async def _check_batch_fits(pipeline: Pipeline, num_prompts: int) -> None:
-    """Refuses a completions batch of more prompts than the replicas' waiting rooms together could
-    ever queue (each prompt waits as one request: its n samples are forked later, a beam search's
-    rounds are admitted with it): all are added at once, so the model workers would refuse the rest
-    with RESOURCE_EXHAUSTED, a 429 that no retry could ever get past. A replica that is down counts
-    with its last known room (it is expected back); one never heard from leaves it to the workers."""
+async def _check_batch_fits(pipeline: Pipeline, num_prompts: int, n: int = 1) -> None:
+    """Refuses a completions batch of more prompts than the replicas together could ever take at
+    once, idle (each prompt is one request of n samples: its seats, then its waiting room; a beam
+    search's rounds are admitted with it): all are added at once, so the model workers would refuse
+    the rest with RESOURCE_EXHAUSTED, a 429 that no retry could ever get past. A replica that is down
+    counts with its last known room (it is expected back); one never heard from leaves it to the workers."""
     if num_prompts <= 1:
         return
     replicas = [r for r in pipeline.model_workers.live if not r.refusal]  # a wrong model's never counts
-    rooms = await asyncio.gather(*(r.waiting_room() for r in replicas))
+    rooms = await asyncio.gather(*(r.waiting_room(n) for r in replicas))
     if not rooms or None in rooms:
         return  # unknown: the model workers decide
     capacity = sum(rooms)

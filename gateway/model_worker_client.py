@@ -66,6 +66,7 @@ class ModelWorkerClient:
         # Its --max-waiting-requests, from its first GetLoad answer since a process answered at
         # the address (a flag: fixed while the process runs); kept while it is down.
         self.max_waiting: int | None = None
+        self.max_num_seqs = 0
         # The model the gateway serves (set before the stream starts); a replica whose ModelInfo
         # differs is never connected, and `refusal` says why.
         self.expected_model: model_worker_pb2.ModelInfo | None = None
@@ -103,17 +104,21 @@ class ModelWorkerClient:
         UNAVAILABLE, UNIMPLEMENTED on a worker without it) rather than waiting on a dead worker."""
         load = await self._stub.GetLoad(model_worker_pb2.GetLoadRequest(), timeout=timeout_s)
         self.max_waiting = load.max_waiting
+        self.max_num_seqs = load.max_num_seqs  # 0 from a worker that does not say
         return load
 
-    async def waiting_room(self, timeout_s: float = 2.0) -> int | None:
-        """How many requests it queues at most, asked once per connection; while it is down, its
-        last answer (it is expected back as it was); None where not known."""
+    async def waiting_room(self, n: int = 1, timeout_s: float = 2.0) -> int | None:
+        """How many requests of n samples it takes at once at most, idle: its seats' worth and its
+        waiting room. Asked once per connection; while it is down, its last answer (it is expected
+        back as it was); None where not known."""
         if self.max_waiting is None and self.connected:
             try:
                 await self.get_load(timeout_s)
             except grpc.aio.AioRpcError:
                 return None
-        return self.max_waiting
+        if self.max_waiting is None:
+            return None
+        return self.max_waiting + self.max_num_seqs // max(n, 1)
 
     @property
     def has_queued(self) -> bool:

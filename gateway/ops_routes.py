@@ -77,8 +77,8 @@ def ops_router(error_responses: dict[int | str, dict[str, Any]]) -> APIRouter:
         body: dict[str, Any] = {"status": "ready", "model": pipeline.model_info.model_id,
                                 "model_workers": sorted(loads), "detok_workers": detoks_up, "down": down}
         body["load"] = {address: {"num_running": load.num_running, "num_waiting": load.num_waiting,
-                                  "max_waiting": load.max_waiting, "kv_blocks_used": load.kv_blocks_used,
-                                  "kv_blocks_total": load.kv_blocks_total}
+                                  "max_waiting": load.max_waiting, "max_num_seqs": load.max_num_seqs,
+                                  "kv_blocks_used": load.kv_blocks_used, "kv_blocks_total": load.kv_blocks_total}
                         for address, load in loads.items() if load is not None}
         return body
 

@@ -194,6 +194,7 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             max_waiting=engine.max_waiting_requests,
+            max_num_seqs=scheduler.max_num_seqs,
             kv_blocks_total=blocks.num_blocks,
             kv_blocks_used=blocks.num_used_blocks,
             kv_block_size=blocks.block_size,

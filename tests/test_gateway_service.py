@@ -323,11 +323,14 @@ def test_full_queue_is_429_with_retry_after(tiny_model_dir: Path) -> None:
         assert {r.status_code for r in replies} <= {200, 429}
         assert all(r.headers["retry-after"] == "1" for r in refused)
         assert refused[0].json()["error"]["type"] == "rate_limit_error"
-        # A batch bigger than the waiting room could never be queued: a 400, not a 429 to retry.
+        # A batch bigger than an idle worker takes (its one seat and one waiting place, from
+        # GetLoad) could never be queued: a 400, not a 429 to retry.
+        load = httpx.get(f"{stack.gateway_url}/ready", timeout=10).json()["load"]
+        assert [(w["max_waiting"], w["max_num_seqs"]) for w in load.values()] == [(1, 1)]
         batch = httpx.post(f"{stack.gateway_url}/v1/completions", timeout=60,
-                           json={**body, "prompt": ["a", "b"], "max_tokens": 2})
+                           json={**body, "prompt": ["a", "b", "c"], "max_tokens": 2})
         assert batch.status_code == 400 and batch.json()["error"]["param"] == "prompt", batch.text
-        assert "at most 1 per request" in batch.json()["error"]["message"]
+        assert "at most 2 per request" in batch.json()["error"]["message"]
         # A beam search waits as one request, as a request's n samples do: wider than the room, it runs.
         beams = httpx.post(f"{stack.gateway_url}/v1/completions", timeout=60,
                            json={**body, "max_tokens": 2, "use_beam_search": True, "best_of": 3, "n": 2,
