@@ -150,8 +150,8 @@ class StandInModelWorker(model_worker_pb2_grpc.ModelWorkerServicer):
             reader.cancel()
 
 
-def model_info(model_dir: Path) -> pb.ModelInfo:
-    return pb.ModelInfo(model_id="stand-in", vocab_size=tokenizer_of(model_dir).get_vocab_size(with_added_tokens=True),
+def model_info(model_dir: Path, tokenizer: Tokenizer) -> pb.ModelInfo:
+    return pb.ModelInfo(model_id="stand-in", vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
                         eos_token_ids=[], max_model_len=MAX_MODEL_LEN, tokenizer=tokenizer_identity(model_dir))
 
 
@@ -160,7 +160,8 @@ def tokenizer_of(model_dir: Path) -> Tokenizer:
 
 
 def stand_in(model_dir: Path, step_s: float, stream_interval: int = 1) -> StandInModelWorker:
-    return StandInModelWorker(model_info(model_dir), plain_ids_of(tokenizer_of(model_dir)), step_s, stream_interval)
+    tokenizer = tokenizer_of(model_dir)
+    return StandInModelWorker(model_info(model_dir, tokenizer), plain_ids_of(tokenizer), step_s, stream_interval)
 
 
 async def serve(address: str, servicer: StandInModelWorker) -> None:

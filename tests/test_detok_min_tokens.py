@@ -116,15 +116,18 @@ def vllm_rule(tokenizer: Tokenizer, ids: Sequence[int], stops: Sequence[str], mi
 
 
 def run_stream(identity: common_pb2.TokenizerIdentity, ids: list[int], stops: list[str], min_tokens: int,
-               chunk: int, columns: bool, include: bool = False) -> tuple[str, int, int]:
-    """(text, stop index or -1, ids accounted) of one sequence fed `chunk` ids a frame."""
+               chunk: int | list[int], columns: bool = False, include: bool = False) -> tuple[str, int, int]:
+    """(text, stop index or -1, ids accounted) of one sequence fed `chunk` ids a frame (or frames of
+    the sizes a list gives)."""
     stream = DetokenizeStream()
     stream.apply(pb.DetokenizeFrame(opens=[pb.OpenSequence(
         sequence_id="s", tokenizer=identity, skip_special_tokens=True, stop=stops, min_tokens=min_tokens,
         include_stop_str_in_output=include, handle=1 if columns else 0)]))
-    text, num_tokens = "", 0
-    for start in range(0, len(ids), chunk):
-        part, last = ids[start:start + chunk], start + chunk >= len(ids)
+    sizes = chunk if isinstance(chunk, list) else [chunk] * -(-len(ids) // chunk)
+    text, num_tokens, start = "", 0, 0
+    for size in sizes:
+        part, start = ids[start:start + size], start + size
+        last = start >= len(ids)
         if columns:
             frame = pb.DetokenizeFrame(columns=pb.TokenColumns(
                 handles=pack_int32([1]), num_tokens=pack_int32([len(part)]), token_ids=pack_int32(part),
@@ -215,10 +218,10 @@ def test_text_the_detokenizer_held_past_min_tokens_stays_unchecked(byte_fallback
     for stops in (["€"], ["llo€"]):
         expected = vllm_rule(tokenizer, ids, stops, min_tokens, include=False)
         assert expected == (tokenizer.decode(ids), -1, len(ids))
-        assert run_stream_chunks(identity, ids, stops, min_tokens, chunks) == expected
+        assert run_stream(identity, ids, stops, min_tokens, chunks) == expected
     # A stop that starts in that held text and ends after it still counts.
     stops = ["€ ok"] if tokenizer.decode(ids).endswith("€ ok") else ["€  ok"]
-    assert run_stream_chunks(identity, ids, stops, min_tokens, chunks) == vllm_rule(
+    assert run_stream(identity, ids, stops, min_tokens, chunks) == vllm_rule(
         tokenizer, ids, stops, min_tokens, include=False)
 
 
@@ -228,30 +231,11 @@ def test_an_output_no_longer_than_min_tokens_is_never_checked(byte_fallback, smo
     tokenizer, identity = byte_fallback
     ids = tokenizer.encode("Hello", add_special_tokens=False).ids + [
         tokenizer.token_to_id(f"<0x{byte:02X}>") for byte in "€".encode()]
-    assert run_stream_chunks(identity, ids, ["€"], len(ids), [1] * len(ids)) == ("Hello€", -1, len(ids))
+    assert run_stream(identity, ids, ["€"], len(ids), [1] * len(ids)) == ("Hello€", -1, len(ids))
     # SmolLM2: the first byte of "€" alone ends the output; the finish flushes it as U+FFFD.
     euro_first_byte = [i for i in range(smollm2.get_vocab_size()) if smollm2.id_to_token(i) == "â"]
     if euro_first_byte:
         ids = smollm2.encode("Hi", add_special_tokens=False).ids + euro_first_byte[:1]
-        got = run_stream_chunks(smollm2_identity, ids, [REPLACEMENT_CHAR], len(ids), [1] * len(ids))
+        got = run_stream(smollm2_identity, ids, [REPLACEMENT_CHAR], len(ids), [1] * len(ids))
         assert got[1] == -1 and got[2] == len(ids)
 
-
-def run_stream_chunks(identity: common_pb2.TokenizerIdentity, ids: list[int], stops: list[str], min_tokens: int,
-                      chunks: list[int]) -> tuple[str, int, int]:
-    """run_stream with frames of the given sizes (entries, not columns)."""
-    stream = DetokenizeStream()
-    stream.apply(pb.DetokenizeFrame(opens=[pb.OpenSequence(
-        sequence_id="s", tokenizer=identity, skip_special_tokens=True, stop=stops, min_tokens=min_tokens)]))
-    text, num_tokens, start = "", 0, 0
-    for size in chunks:
-        part, start = ids[start:start + size], start + size
-        reply = stream.apply(pb.DetokenizeFrame(tokens=[pb.SequenceTokenIds(
-            sequence_id="s", token_ids=pack_int32(part), finished=start >= len(ids))]))
-        for delta in reply.deltas:
-            assert not delta.error, delta.error
-            text += delta.text
-            num_tokens += delta.num_tokens
-            if delta.finished:
-                return text, delta.stop_index, num_tokens
-    raise AssertionError("the sequence never finished")
