@@ -152,10 +152,10 @@ def run_frame_loop(decoding: TokenizerDecoding, workload: Workload, tokens_per_f
     TextColumns, OpenSequence.handle i + 1 for sequence i, finished in the frame of its last ids).
     Sequences starting at step 0 are opened before the clock starts, later ones in their first
     frame. one_id_loop=False decodes rows of one id with the numpy pass too
-    (HandleTable.one_id_loop), for the side-by-side ratio. frame_seconds: if given, gets each
+    (HandleTable.one_id_loop and few_rows_lane), for the side-by-side ratio. frame_seconds: if given, gets each
     frame's CPU time (the clock read per frame adds ~1 us to each)."""
     stream = DetokenizeStream(open_decoding=lambda _identity: decoding)
-    stream._columns.one_id_loop = one_id_loop
+    stream._columns.one_id_loop = stream._columns.few_rows_lane = one_id_loop
     seqs = workload.seqs
     names = [f"seq-{i}" for i in range(len(seqs))]
     identity = common_pb2.TokenizerIdentity(path="bench")

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from detok_worker.columns import _LIVE, HandleTable
+from detok_worker.columns import _LIVE, FEW_ROWS, HandleTable
 from detok_worker.stop_strings import StopStringMatcher
 from detok_worker.stream import BadFrameError, DetokenizeStream
 from detok_worker.token_bytes import TokenizerDecoding
@@ -50,12 +50,14 @@ def test_one_id_frames_match_the_message_path(decodings: dict[str, TokenizerDeco
 
 
 def run_loop_and_numpy_pass(decodings: dict[str, TokenizerDecoding], sequences: list[tuple[str, list[int]]],
-                            rng: np.random.Generator) -> int:
+                            rng: np.random.Generator, few_rows_lane_only: bool = False) -> int:
     """Feeds the same one-id column frames to a stream with the loop and one with the numpy
     pass; after every frame their answers and every live handle's state must be equal.
-    Returns how many sequences a stop ended."""
+    few_rows_lane_only: the second stream runs the loop too, and only the first takes the lane
+    of a few plain rows. Returns how many sequences a stop ended."""
     streams = [DetokenizeStream(lambda ident: decodings[ident.path]) for _ in range(2)]
-    streams[1]._columns.one_id_loop = False
+    streams[1]._columns.one_id_loop = few_rows_lane_only
+    streams[1]._columns.few_rows_lane = False
     names = {number + 1: f"s{number}" for number in range(len(sequences))}
     opens = [pb.OpenSequence(sequence_id=names[number + 1], tokenizer=identity(name), handle=number + 1,
                              stop=STOPS[number % len(STOPS)], include_stop_str_in_output=bool(number % 2),
@@ -107,6 +109,34 @@ def test_loop_and_numpy_pass_agree_on_mixed_tables(decodings: dict[str, Tokenize
         sequences += [(name, list(texts[number % len(texts)])) for number in range(12)]
         sequences.append((name, [5, 6, size + 2, 7]))  # an id outside the vocabulary ends it with an error
     assert run_loop_and_numpy_pass(decodings, sequences, rng) > 0
+
+
+def test_few_rows_lane_agrees_with_the_loop(decodings: dict[str, TokenizerDecoding], vocab_info: VocabInfo,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """One to FEW_ROWS streams (the decode steps of a lightly loaded worker): frames of plain rows
+    take the plain-Python lane, the others (a split character, a possible stop, held text, an id
+    outside the vocabulary, a finished row, a late id) go on to the loop, and both leave the
+    same answers and state as the loop alone."""
+    taken = []
+    lane = HandleTable._feed_few_plain
+
+    def counted(self: HandleTable, columns: Any, out: Any) -> bool:
+        result = lane(self, columns, out)
+        taken.append(result)
+        return result
+
+    monkeypatch.setattr(HandleTable, "_feed_few_plain", counted)
+    rng = np.random.default_rng(3)
+    for name in ("smollm2", "cl100k", "llama2"):
+        size, texts, _ = vocab_info[name]
+        for num_sequences in (1, 2, 5, FEW_ROWS, FEW_ROWS + 1):
+            sequences = [(name, list(texts[(num_sequences + number) % len(texts)])) for number in range(num_sequences)]
+            if num_sequences == 2:
+                sequences.append((name, [5, 6, size + 2, 7]))  # an id outside the vocabulary ends it with an error
+            if num_sequences == 5:
+                sequences.append((name, rng.integers(0, 300, size=30).tolist()))  # lone bytes
+            run_loop_and_numpy_pass(decodings, sequences, rng, few_rows_lane_only=True)
+    assert any(taken) and not all(taken)
 
 
 @pytest.mark.parametrize("bad", [0, -1, -(1 << 31), 62, 64, 128, 255, 256, 1 << 20, (1 << 31) - 1])
@@ -241,7 +271,7 @@ def test_frames_with_finished_rows_take_the_one_step_lane(decodings: dict[str, T
     id_lists = [list(texts[number % len(texts)])[:int(rng.integers(3, 40))] for number in range(40)]
     id_lists += [rng.integers(0, 300, size=int(rng.integers(3, 20))).tolist() for _ in range(6)]  # lone bytes
     streams = [DetokenizeStream(lambda ident: decodings[ident.path]) for _ in range(2)]
-    streams[1]._columns.one_id_loop = False
+    streams[1]._columns.one_id_loop = streams[1]._columns.few_rows_lane = False
     loop_table = streams[0]._columns
     lane_taken, finish_counts = watch_lanes(loop_table)
     names = {number + 1: f"s{number}" for number in range(len(id_lists))}
@@ -314,6 +344,8 @@ def test_finished_rows_end_in_the_lane_only_when_their_end_is_plain(smollm2_deco
     }
     streams = [DetokenizeStream(lambda _ident: smollm2_decoding) for _ in range(2)]
     streams[1]._columns.one_id_loop = False
+    for stream in streams:  # the last frame's one plain row would take the lane of a few rows
+        stream._columns.few_rows_lane = False
     lane_taken, finish_counts = watch_lanes(streams[0]._columns)
     names = {handle: f"s{handle}" for handle in sequences}
     finals: dict[int, tuple] = {}
