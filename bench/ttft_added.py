@@ -10,8 +10,13 @@ so none is served from the prefix cache.
 
     python -m bench.ttft_added --requests 60 --threads 2
     python -m bench.ttft_added --base-url http://HOST:8000/v1 --model-worker HOST:50051
+    python -m bench.ttft_added --stand-in --rounds 3
 
 Without --base-url it starts the stack on the default model (as `bench.side_by_side` does).
+With --stand-in the model worker is bench/stand_in_model_worker.py (no model, a step every
+--step-ms): both paths then see the same model worker with no torch competing for the cores, so
+what HTTP adds is the serving path's own latency. On a host with few cores the engine's threads
+keep every core busy, and the serving path's work waits for one: the stack's figure is both.
 """
 
 from __future__ import annotations
@@ -156,34 +161,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap-ms", type=float, default=30.0, help="idle time between requests")
     parser.add_argument("--threads", type=int, default=2, help="model worker threads (when starting the stack)")
     parser.add_argument("--tokenwire-args", default="", help="extra model worker flags (when starting the stack)")
+    parser.add_argument("--stand-in", action="store_true",
+                        help="a model worker with no model (bench/stand_in_model_worker.py) instead of the engine")
+    parser.add_argument("--step-ms", type=float, default=1.0, help="the stand-in's step (with --stand-in)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="whose tokenizer makes the prompts (and, with --stand-in, the stand-in serves)")
+    parser.add_argument("--rounds", type=int, default=1, help="measured runs on the same stack, one after another")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
     if bool(args.base_url) != bool(args.model_worker):
         parser.error("--base-url and --model-worker go together")
-    if args.requests < 1 or args.warmup < 0 or args.output_tokens < 1:
-        parser.error("--requests and --output-tokens must be at least 1, --warmup at least 0")
+    if args.base_url and args.stand_in:
+        parser.error("--stand-in starts its own stack: not with --base-url")
+    if args.requests < 1 or args.warmup < 0 or args.output_tokens < 1 or args.rounds < 1:
+        parser.error("--requests, --output-tokens and --rounds must be at least 1, --warmup at least 0")
 
-    model_dir = resolve_model_dir(DEFAULT_MODEL, DEFAULT_CACHE_DIR)
+    model_dir = resolve_model_dir(args.model, DEFAULT_CACHE_DIR)
     prompts = make_prompts(load_tokenizer(model_dir), 2 * (args.requests + args.warmup), args.prompt_len, seed=7)
     run = dict(prompts=prompts, max_tokens=args.output_tokens, gap_s=args.gap_ms / 1e3, warmup=args.warmup)
+    results: list[TTFTAdded] = []
     if args.base_url:
-        result = asyncio.run(measure(args.base_url, args.model_worker, **run))
+        results = [asyncio.run(measure(args.base_url, args.model_worker, **run)) for _ in range(args.rounds)]
     else:
         from tokenwire.stack import start_stack
 
-        mw_args = ["--max-num-seqs", "8", "--max-model-len", str(args.prompt_len + args.output_tokens + 16),
-                   "--num-threads", str(args.threads), *shlex.split(args.tokenwire_args)]
-        print(f"$ python -m tokenwire.stack -- {shlex.join(mw_args)}", flush=True)
-        with start_stack(mw_args) as stack:
-            result = asyncio.run(measure(f"{stack.gateway_url}/v1", stack.model_worker_address, **run))
-    summary = result.summary()
-    summary_line = (f"TTFT p50 over HTTP (gateway + detok) {summary['http_p50_ms']:.2f} ms, straight to the model "
-                    f"worker {summary['grpc_p50_ms']:.2f} ms: added {summary['added_p50_ms']:.2f} ms "
-                    f"(paired p50 {summary['added_paired_p50_ms']:.2f} ms); p90 {summary['http_p90_ms']:.2f} "
-                    f"vs {summary['grpc_p90_ms']:.2f} ms; {summary['requests_per_path']} requests per path")
-    print(summary_line)
+        if args.stand_in:
+            mw_args = ["--step-ms", str(args.step_ms), "--model", str(model_dir)]
+            module = "bench.stand_in_model_worker"
+        else:
+            mw_args = ["--max-num-seqs", "8", "--max-model-len", str(args.prompt_len + args.output_tokens + 16),
+                       "--num-threads", str(args.threads), *shlex.split(args.tokenwire_args)]
+            module = "model_worker"
+        print(f"$ python -m tokenwire.stack ({module}) -- {shlex.join(mw_args)}", flush=True)
+        with start_stack(mw_args, model_worker_module=module) as stack:
+            results = [asyncio.run(measure(f"{stack.gateway_url}/v1", stack.model_worker_address, **run))
+                       for _ in range(args.rounds)]
+    summaries = [result.summary() for result in results]
+    for summary in summaries:
+        print(f"TTFT p50 over HTTP (gateway + detok) {summary['http_p50_ms']:.2f} ms, straight to the model "
+              f"worker {summary['grpc_p50_ms']:.2f} ms: added {summary['added_p50_ms']:.2f} ms "
+              f"(paired p50 {summary['added_paired_p50_ms']:.2f} ms); p90 {summary['http_p90_ms']:.2f} "
+              f"vs {summary['grpc_p90_ms']:.2f} ms; {summary['requests_per_path']} requests per path")
     if args.json_out:
-        args.json_out.write_text(json.dumps({"summary": summary, "ttft_s": asdict(result),
+        args.json_out.write_text(json.dumps({"rounds": [{"summary": summary, "ttft_s": asdict(result)}
+                                                        for summary, result in zip(summaries, results, strict=True)],
                                              "args": {k: str(v) for k, v in vars(args).items()}}, indent=2))
     return 0
 

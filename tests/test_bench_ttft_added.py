@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
 
 from bench.prompts import make_prompts
-from bench.ttft_added import GenerateClient, TTFTAdded, measure
+from bench.ttft_added import GenerateClient, TTFTAdded, main, measure
 from tests.conftest import tiny_stack
 
 
@@ -52,3 +53,18 @@ def test_measure_through_the_gateway_and_straight_to_the_model_worker(tiny_model
         # A refused request fails the run with the model worker's reason instead of hanging it.
         with pytest.raises(RuntimeError, match="too-long failed"):
             asyncio.run(too_long())
+
+
+@pytest.mark.slow
+def test_stand_in_rounds_measure_the_serving_path_alone(smollm2_dir: Path, tmp_path: Path):
+    """--stand-in: the real gateway and detok worker in front of a model worker with no model, and
+    both paths on it; every round's TTFTs kept in the JSON."""
+    out = tmp_path / "ttft.json"
+    assert main(["--stand-in", "--model", str(smollm2_dir), "--requests", "3", "--warmup", "1", "--gap-ms", "1",
+                 "--rounds", "2", "--json", str(out)]) == 0
+    rounds = json.loads(out.read_text())["rounds"]
+    assert len(rounds) == 2
+    for run in rounds:
+        assert len(run["ttft_s"]["http"]) == len(run["ttft_s"]["grpc"]) == 3
+        assert all(0 < ttft < 5 for ttft in run["ttft_s"]["http"] + run["ttft_s"]["grpc"])
+        assert run["summary"]["requests_per_path"] == 3
