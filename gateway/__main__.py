@@ -28,9 +28,11 @@ def main() -> None:
     # drain_grace_s, then runs the lifespan's shutdown.
     uvicorn.run(create_app(config, freeze_heap=True), host=config.host, port=config.port, log_level=config.log_level,
                 timeout_graceful_shutdown=config.drain_grace_s,
-                # httptools (C) parses requests and writes response heads in less time than h11 (pure
-                # Python): 0.37 ms less TTFT on this path (README, "TTFT the gateway and the detok worker add").
-                http="httptools",
+                # h11, even where httptools is installed (uvicorn's "auto" would take it): httptools drops
+                # the body of a POST that offers an upgrade (Java's HttpClient and curl --http2 send
+                # "Upgrade: h2c"; uvicorn #2722, httptools #124) and sets no limit on a header's size. It
+                # was 0.37 ms faster to the first token (README, "TTFT the gateway and the detok worker add").
+                http="h11",
                 access_log=False,  # gateway.access logs each request with latency and token counts
                 ssl_certfile=config.tls_cert_file or None, ssl_keyfile=config.tls_key_file or None)
 

@@ -8,6 +8,7 @@ deterministic at temperature 0.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,6 +176,37 @@ def test_raw_sse_framing_ends_with_done(stack: Stack, model: str) -> None:
     # Errors before the stream starts keep their HTTP status, in OpenAI's shape.
     reply = httpx.post(f"{stack.gateway_url}/v1/completions", json={**body, "prompt": "x", "top_p": 0}, timeout=60)
     assert reply.status_code == 400 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+
+
+
+def test_a_post_that_offers_an_upgrade_keeps_its_body(stack: Stack, model: str) -> None:
+    """Java's HttpClient and curl --http2 offer h2c on plain http:// POSTs; the offer is ignored and
+    the body read (httptools, which uvicorn takes where installed, dropped it: uvicorn #2722), here
+    with the body in a segment of its own, as those clients send it."""
+    body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 2}).encode()
+    host, port = stack.gateway_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                     b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQBAAAAAAIAAAAA\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        time.sleep(0.05)
+        conn.sendall(body)
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < _content_length(reply):
+            chunk = conn.recv(65536)
+            assert chunk, reply
+            reply += chunk
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), reply
+    assert json.loads(payload)["usage"]["completion_tokens"] == 2
+
+
+def _content_length(reply: bytes) -> int:
+    for line in reply.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 1 << 30
 
 
 @pytest.fixture(scope="module")
