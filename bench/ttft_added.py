@@ -110,7 +110,7 @@ class GenerateClient:
 
 
 async def measure(base_url: str, model_worker: str, prompts: Sequence[Prompt], max_tokens: int,
-                  gap_s: float, warmup: int, model: str | None = None) -> TTFTAdded:
+                  gap_s: float, warmup: int, model: str | None = None, id_prefix: str = "ttft") -> TTFTAdded:
     """len(prompts) // 2 pairs; pair i sends prompts[2i] over HTTP and prompts[2i+1] over gRPC,
     in alternating order, with gap_s of idle between requests; the first `warmup` pairs are
     not kept."""
@@ -135,9 +135,9 @@ async def measure(base_url: str, model_worker: str, prompts: Sequence[Prompt], m
                 if i % 2 == 0:
                     http_s = await over_http(http_prompt)
                     await asyncio.sleep(gap_s)
-                    grpc_s = await generate.ttft(f"ttft-{i}", grpc_prompt.token_ids, max_tokens)
+                    grpc_s = await generate.ttft(f"{id_prefix}-{i}", grpc_prompt.token_ids, max_tokens)
                 else:
-                    grpc_s = await generate.ttft(f"ttft-{i}", grpc_prompt.token_ids, max_tokens)
+                    grpc_s = await generate.ttft(f"{id_prefix}-{i}", grpc_prompt.token_ids, max_tokens)
                     await asyncio.sleep(gap_s)
                     http_s = await over_http(http_prompt)
                 await asyncio.sleep(gap_s)
@@ -159,43 +159,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=8,
                         help="max_tokens: with more than 1 the engine is decoding while the first token travels")
     parser.add_argument("--gap-ms", type=float, default=30.0, help="idle time between requests")
-    parser.add_argument("--threads", type=int, default=2, help="model worker threads (when starting the stack)")
+    parser.add_argument("--threads", type=int, help="model worker threads (when starting the stack; default 2)")
     parser.add_argument("--tokenwire-args", default="", help="extra model worker flags (when starting the stack)")
     parser.add_argument("--stand-in", action="store_true",
                         help="a model worker with no model (bench/stand_in_model_worker.py) instead of the engine")
-    parser.add_argument("--step-ms", type=float, default=1.0, help="the stand-in's step (with --stand-in)")
+    parser.add_argument("--step-ms", type=float, help="the stand-in's step (with --stand-in; default 1)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="whose tokenizer makes the prompts (and, with --stand-in, the stand-in serves)")
+                        help="the model the stack serves (the stand-in: its tokenizer), whose tokenizer makes the prompts")
     parser.add_argument("--rounds", type=int, default=1, help="measured runs on the same stack, one after another")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
     if bool(args.base_url) != bool(args.model_worker):
         parser.error("--base-url and --model-worker go together")
-    if args.base_url and args.stand_in:
-        parser.error("--stand-in starts its own stack: not with --base-url")
+    if args.base_url and (args.stand_in or args.threads is not None or args.tokenwire_args):
+        parser.error("--stand-in, --threads and --tokenwire-args are for the stack it starts: not with --base-url")
+    if args.stand_in and (args.threads is not None or args.tokenwire_args):
+        parser.error("--threads and --tokenwire-args are the model worker's: not with --stand-in")
+    if args.step_ms is not None and not args.stand_in:
+        parser.error("--step-ms is the stand-in's: only with --stand-in")
     if args.requests < 1 or args.warmup < 0 or args.output_tokens < 1 or args.rounds < 1:
         parser.error("--requests, --output-tokens and --rounds must be at least 1, --warmup at least 0")
 
     model_dir = resolve_model_dir(args.model, DEFAULT_CACHE_DIR)
-    prompts = make_prompts(load_tokenizer(model_dir), 2 * (args.requests + args.warmup), args.prompt_len, seed=7)
-    run = dict(prompts=prompts, max_tokens=args.output_tokens, gap_s=args.gap_ms / 1e3, warmup=args.warmup)
+    # Every round has prompts (and request ids) of its own: a second round on the same prompts would
+    # find them in the prefix cache.
+    tokenizer = load_tokenizer(model_dir)
+    rounds = [dict(prompts=make_prompts(tokenizer, 2 * (args.requests + args.warmup), args.prompt_len, seed=7 + r),
+                   max_tokens=args.output_tokens, gap_s=args.gap_ms / 1e3, warmup=args.warmup, id_prefix=f"ttft{r}")
+              for r in range(args.rounds)]
     results: list[TTFTAdded] = []
     if args.base_url:
-        results = [asyncio.run(measure(args.base_url, args.model_worker, **run)) for _ in range(args.rounds)]
+        results = [asyncio.run(measure(args.base_url, args.model_worker, **run)) for run in rounds]
     else:
         from tokenwire.stack import start_stack
 
         if args.stand_in:
-            mw_args = ["--step-ms", str(args.step_ms), "--model", str(model_dir)]
+            mw_args = ["--step-ms", str(args.step_ms or 1.0), "--model", str(model_dir)]
             module = "bench.stand_in_model_worker"
         else:
-            mw_args = ["--max-num-seqs", "8", "--max-model-len", str(args.prompt_len + args.output_tokens + 16),
-                       "--num-threads", str(args.threads), *shlex.split(args.tokenwire_args)]
+            mw_args = ["--model", args.model, "--max-num-seqs", "8",
+                       "--max-model-len", str(args.prompt_len + args.output_tokens + 16),
+                       "--num-threads", str(args.threads or 2), *shlex.split(args.tokenwire_args)]
             module = "model_worker"
         print(f"$ python -m tokenwire.stack ({module}) -- {shlex.join(mw_args)}", flush=True)
         with start_stack(mw_args, model_worker_module=module) as stack:
             results = [asyncio.run(measure(f"{stack.gateway_url}/v1", stack.model_worker_address, **run))
-                       for _ in range(args.rounds)]
+                       for run in rounds]
     summaries = [result.summary() for result in results]
     for summary in summaries:
         print(f"TTFT p50 over HTTP (gateway + detok) {summary['http_p50_ms']:.2f} ms, straight to the model "

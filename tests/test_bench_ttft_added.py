@@ -68,3 +68,35 @@ def test_stand_in_rounds_measure_the_serving_path_alone(smollm2_dir: Path, tmp_p
         assert len(run["ttft_s"]["http"]) == len(run["ttft_s"]["grpc"]) == 3
         assert all(0 < ttft < 5 for ttft in run["ttft_s"]["http"] + run["ttft_s"]["grpc"])
         assert run["summary"]["requests_per_path"] == 3
+
+
+def test_each_round_has_prompts_and_request_ids_of_its_own(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]):
+    """A round on the prompts of the round before would find them in the prefix cache."""
+    seen = []
+
+    async def fake_measure(base_url, model_worker, prompts, max_tokens, gap_s, warmup, model=None, id_prefix="ttft"):
+        seen.append(([tuple(p.token_ids) for p in prompts], id_prefix))
+        return TTFTAdded(http=[0.003, 0.004], grpc=[0.001, 0.001])
+
+    monkeypatch.setattr("bench.ttft_added.measure", fake_measure)
+    assert main(["--base-url", "http://127.0.0.1:9/v1", "--model-worker", "127.0.0.1:9", "--model", str(smollm2_dir),
+                 "--requests", "2", "--warmup", "1", "--rounds", "3"]) == 0
+    assert len(seen) == 3
+    prompts = [p for round_prompts, _ in seen for p in round_prompts]
+    assert len(prompts) == 3 * 2 * 3 == len(set(prompts))  # (requests + warmup) pairs per round, all different
+    assert len({prefix for _, prefix in seen}) == 3
+    assert capsys.readouterr().out.count("added 2.50 ms") == 3
+
+
+@pytest.mark.parametrize("argv", [
+    ["--stand-in", "--threads", "4"],
+    ["--stand-in", "--tokenwire-args", "--max-num-seqs 4"],
+    ["--step-ms", "2"],
+    ["--base-url", "http://h/v1", "--model-worker", "h:1", "--stand-in"],
+    ["--base-url", "http://h/v1", "--model-worker", "h:1", "--threads", "2"],
+    ["--rounds", "0"],
+])
+def test_options_that_would_do_nothing_are_refused(argv: list[str]):
+    with pytest.raises(SystemExit):
+        main(argv)
