@@ -208,11 +208,11 @@ class HandleTable:
                                   finished_alone, feed_exact)
 
     def _feed_few_plain(self, columns: detok_worker_pb2.TokenColumns, out: detok_worker_pb2.TextColumns) -> bool:
-        """A frame of at most FEW_ROWS rows, one id each, none finished, every row plain (live, of a
+        """A frame of at most FEW_ROWS rows, one id each, none finished, every row plain (live, of one
         byte table, nothing pending or held, an id that fits the empty state, no byte a stop of
         the row starts with): the decode step of one or a few streams. Decoded in plain Python:
         each of the general flow's ~25 numpy calls costs ~1 us in a warm loop but 5-10 us on a
-        worker that waits between frames, its caches gone cold (a one-row frame took 160 us in
+        worker that waits between frames, its caches gone cold (a one-row frame took 95-160 us in
         apply then, against 28 warm). Same state and output as _decode_one_id_rows; False, with
         nothing done, when the frame is not that (the general flow then takes it, and raises for
         a bad one)."""
@@ -226,13 +226,16 @@ class HandleTable:
         status, table_index, pending, held, stop_key = (self._status, self._table_index, self._pending, self._held,
                                                         self._stop_key)
         texts: list[bytes] = []
+        # One byte table for the whole frame, as _feed_one_step asks: the general flow lists the
+        # rows of several tables group by group, and the lane's rows must come out in its order.
+        group = table_index.item(handles[0]) if 0 < handles[0] < capacity else -1
+        if group < 0:
+            return False
+        table = self._tables[group]
         for handle, token_id in zip(handles, ids, strict=True):
-            if not 0 < handle < capacity or status.item(handle) != _LIVE or pending.item(handle) or held.item(handle):
+            if (not 0 < handle < capacity or status.item(handle) != _LIVE or pending.item(handle) or held.item(handle)
+                    or table_index.item(handle) != group):
                 return False
-            group = table_index.item(handle)
-            if group < 0:
-                return False
-            table = self._tables[group]
             if not 0 <= token_id < table.vocab_size or not table.token_bytes.known_ids.item(token_id):
                 return False
             data = table.start_pieces[token_id]
@@ -249,8 +252,9 @@ class HandleTable:
         out_handles: list[int] = []
         out_lengths: list[int] = []
         out_counts: list[int] = []
+        tail_pending = table.tail_pending_list
         for handle, token_id, data in zip(handles, ids, texts, strict=True):
-            pending[handle] = self._tables[table_index.item(handle)].tail_pending_list[token_id]
+            pending[handle] = tail_pending[token_id]
             count = num_tokens.item(handle) + 1
             num_tokens[handle] = count
             if data:

@@ -75,8 +75,11 @@ def run_loop_and_numpy_pass(decodings: dict[str, TokenizerDecoding], sequences: 
         frame.columns.token_ids = pack_int32([token_id for _, token_id in rows])
         frame.columns.finished_handles = pack_int32(
             [h for h, (_, ids) in zip(names, sequences, strict=True) if step == len(ids) - 1 and h not in ended])
-        loop_answers, numpy_answers = (answers_of(stream.apply(frame), names) for stream in streams)
+        replies = [stream.apply(frame) for stream in streams]
+        loop_answers, numpy_answers = (answers_of(reply, names) for reply in replies)
         assert loop_answers == numpy_answers, f"frame {step}"
+        if few_rows_lane_only:  # the same reply to the byte, rows in the same order
+            assert replies[0].SerializeToString() == replies[1].SerializeToString(), f"frame {step}"
         for name, answer in loop_answers.items():
             if answer[2]:
                 ended.add(int(name[1:]) + 1)
