@@ -120,6 +120,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+def is_json_media_type(content_type: str) -> bool:
+    """application/json or a +json type (parameters such as charset aside), as FastAPI reads a body."""
+    media_type = content_type.partition(";")[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
+
+
 def error_sse_event(error: APIError) -> str:
     """The last event of a stream that failed after its headers were sent (followed by [DONE])."""
     return sse_data(json.dumps(error.body()))
@@ -130,9 +136,15 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, APIError)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         # OpenAI answers bad parameters with 400, never FastAPI's 422.
         assert isinstance(exc, RequestValidationError)
+        body_errors = any(tuple(error.get("loc", ()))[:1] == ("body",) for error in exc.errors())
+        if body_errors and not is_json_media_type(request.headers.get("content-type", "")):
+            # FastAPI leaves such a body unparsed, and pydantic's "Input should be a valid dictionary"
+            # would blame valid JSON (plain `curl -d` sends a form type). vLLM's words.
+            return JSONResponse(invalid_request("Unsupported Media Type: Only 'application/json' is allowed").body(),
+                                status_code=400)
         message, param = validation_message(exc)
         return JSONResponse(invalid_request(message, param).body(), status_code=400)
 

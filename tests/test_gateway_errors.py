@@ -256,3 +256,22 @@ def test_error_sse_event_is_a_data_line() -> None:
     assert event.startswith("data: ") and event.endswith("\n\n")
     body = json.loads(event.removeprefix("data: "))
     assert body == {"error": {"message": "busy", "type": "rate_limit_error", "param": None, "code": None}}
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_sent_as_another_media_type_is_named_as_such(client: TestClient, content_type: str | None) -> None:
+    """Plain `curl -d` sends a form type: the body is valid JSON, the media type is what is wrong."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 5})
+    headers = {"content-type": content_type} if content_type else {}
+    response = client.post("/v1/chat/completions", content=body.encode(), headers=headers)
+    assert response.status_code == 400
+    error = assert_openai_error(response.json())
+    assert error["message"] == "Unsupported Media Type: Only 'application/json' is allowed", error
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", "application/vnd.x+json"])
+def test_json_media_types_get_the_fields_own_errors(client: TestClient, content_type: str) -> None:
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 5})
+    response = client.post("/v1/chat/completions", content=body.encode(), headers={"content-type": content_type})
+    assert response.status_code == 400
+    assert assert_openai_error(response.json())["param"] == "temperature"
