@@ -21,20 +21,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from bench.loadgen import discover_model, open_connections, run_level
 from bench.metrics import process_cpu_seconds, summarize
 from bench.openai_stream import RequestSpec, client_session
 from bench.prompts import make_prompts, tokenizer_or_default
+from bench.stand_in_model_worker import stand_in_stack
 from bench.workload import Workload
-from tokenwire.stack import start_stack
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -119,12 +115,9 @@ async def measure(args: argparse.Namespace, base_url: str, pids: dict[str, int])
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # The stand-in runs as `python -m bench.stand_in_model_worker`: from any directory.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     stand_in_args = ["--step-ms", str(args.step_ms), "--stream-interval", str(args.stream_interval),
                      *(["--model", args.model] if args.model else [])]
-    with start_stack(stand_in_args, gateway_args=args.gateway_arg,
-                     model_worker_module="bench.stand_in_model_worker", timeout_s=120) as stack:
+    with stand_in_stack(stand_in_args, gateway_args=args.gateway_arg, timeout_s=120) as stack:
         pids = {service.name: service.process.pid for service in stack.services}
         runs = asyncio.run(measure(args, f"{stack.gateway_url}/v1", pids))
     if args.json_out:

@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 import time
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from tokenizers import Tokenizer
@@ -36,6 +40,7 @@ from model_worker.config import DEFAULT_CACHE_DIR
 from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir
 from tokenwire import grpc_server
 from tokenwire.packing import pack_int32
+from tokenwire.stack import Stack, start_stack
 from tokenwire.tokenizer_files import TOKENIZER_JSON, tokenizer_identity
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc
@@ -43,6 +48,7 @@ from tokenwire.v1 import model_worker_pb2_grpc
 logger = logging.getLogger("stand_in_model_worker")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelWorker"].full_name
 MAX_MODEL_LEN = 1 << 16
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -162,6 +168,18 @@ def tokenizer_of(model_dir: Path) -> Tokenizer:
 def stand_in(model_dir: Path, step_s: float, stream_interval: int = 1) -> StandInModelWorker:
     tokenizer = tokenizer_of(model_dir)
     return StandInModelWorker(model_info(model_dir, tokenizer), plain_ids_of(tokenizer), step_s, stream_interval)
+
+
+@contextlib.contextmanager
+def stand_in_stack(stand_in_args: Sequence[str], **start_stack_kwargs: Any) -> Iterator[Stack]:
+    """tokenwire.stack.start_stack with the stand-in as the model worker. It runs as
+    `python -m bench.stand_in_model_worker`, and `bench` is no installed package: the repository
+    root goes on the services' PYTHONPATH, so that it starts from any directory."""
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(REPO_ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), *paths]))
+    with start_stack(stand_in_args, model_worker_module="bench.stand_in_model_worker", **start_stack_kwargs) as stack:
+        yield stack
 
 
 async def serve(address: str, servicer: StandInModelWorker) -> None:

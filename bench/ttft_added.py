@@ -191,18 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         results = [asyncio.run(measure(args.base_url, args.model_worker, **run)) for run in rounds]
     else:
+        from bench.stand_in_model_worker import stand_in_stack
         from tokenwire.stack import start_stack
 
         if args.stand_in:
             mw_args = ["--step-ms", str(args.step_ms or 1.0), "--model", str(model_dir)]
-            module = "bench.stand_in_model_worker"
+            module, launch = "bench.stand_in_model_worker", stand_in_stack
         else:
             mw_args = ["--model", args.model, "--max-num-seqs", "8",
                        "--max-model-len", str(args.prompt_len + args.output_tokens + 16),
                        "--num-threads", str(args.threads or 2), *shlex.split(args.tokenwire_args)]
-            module = "model_worker"
+            module, launch = "model_worker", start_stack
         print(f"$ python -m tokenwire.stack ({module}) -- {shlex.join(mw_args)}", flush=True)
-        with start_stack(mw_args, model_worker_module=module) as stack:
+        with launch(mw_args) as stack:
             results = [asyncio.run(measure(f"{stack.gateway_url}/v1", stack.model_worker_address, **run))
                        for run in rounds]
     summaries = [result.summary() for result in results]

@@ -7,18 +7,11 @@ from pathlib import Path
 import pytest
 
 from bench.bench_detok_small_frames import frame_times, main
-from detok_worker.columns import HandleTable
+from tests.test_detok_columns_one_id import record_few_rows_lane
 
 
 def test_the_lane_takes_the_frames_of_its_stream_only(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    taken: list[bool] = []
-    lane = HandleTable._feed_few_plain
-
-    def counted(self: HandleTable, columns, out) -> bool:
-        taken.append(lane(self, columns, out) if self.few_rows_lane else False)
-        return taken[-1]
-
-    monkeypatch.setattr(HandleTable, "_feed_few_plain", counted)
+    taken = record_few_rows_lane(monkeypatch)  # the other stream, lane off, never offers it a frame
     times = frame_times(smollm2_dir, rows=2, num_frames=40, cold=False)
     assert set(times) == {"lane", "numpy"} and all(len(t) == 40 and min(t) > 0 for t in times.values())
     assert sum(taken) >= 20  # most frames of the lane's stream; none of the other's

@@ -114,21 +114,27 @@ def test_loop_and_numpy_pass_agree_on_mixed_tables(decodings: dict[str, Tokenize
     assert run_loop_and_numpy_pass(decodings, sequences, rng) > 0
 
 
+def record_few_rows_lane(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether the few-rows lane took each frame offered to it, on every HandleTable from now on
+    (the lane itself unchanged)."""
+    taken: list[bool] = []
+    lane = HandleTable._feed_few_plain
+
+    def recorded(self: HandleTable, columns: Any, out: Any) -> bool:
+        taken.append(lane(self, columns, out))
+        return taken[-1]
+
+    monkeypatch.setattr(HandleTable, "_feed_few_plain", recorded)
+    return taken
+
+
 def test_few_rows_lane_agrees_with_the_loop(decodings: dict[str, TokenizerDecoding], vocab_info: VocabInfo,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """One to FEW_ROWS streams (the decode steps of a lightly loaded worker): frames of plain rows
     take the plain-Python lane, the others (a split character, a possible stop, held text, an id
     outside the vocabulary, a finished row, a late id) go on to the loop, and both leave the
     same answers and state as the loop alone."""
-    taken = []
-    lane = HandleTable._feed_few_plain
-
-    def counted(self: HandleTable, columns: Any, out: Any) -> bool:
-        result = lane(self, columns, out)
-        taken.append(result)
-        return result
-
-    monkeypatch.setattr(HandleTable, "_feed_few_plain", counted)
+    taken = record_few_rows_lane(monkeypatch)
     rng = np.random.default_rng(3)
     for name in ("smollm2", "cl100k", "llama2"):
         size, texts, _ = vocab_info[name]

@@ -178,7 +178,6 @@ def test_raw_sse_framing_ends_with_done(stack: Stack, model: str) -> None:
     assert reply.status_code == 400 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
 
 
-
 def test_a_post_that_offers_an_upgrade_keeps_its_body(stack: Stack, model: str) -> None:
     """Java's HttpClient and curl --http2 offer h2c on plain http:// POSTs; the offer is ignored and
     the body read (httptools, which uvicorn takes where installed, dropped it: uvicorn #2722), here
