@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from gateway.config import Config
-from gateway.errors import install_error_handlers, invalid_request
+from gateway.errors import APIError, install_error_handlers, invalid_request
 from gateway.http_middleware import GatewayHTTPMiddleware, access_record
 from gateway.metrics import GatewayMetrics, RequestTimer, metered
 from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -133,7 +133,11 @@ def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
 
     @app.get("/v1/models/{model:path}", responses=ERROR_RESPONSES)
     async def retrieve_model(model: str, request: Request) -> ModelCard:
-        """OpenAI's GET /v1/models/{model} (the SDK's models.retrieve): the served model's card, 404 otherwise."""
+        """OpenAI's GET /v1/models/{model} (the SDK's models.retrieve): the served model's card, 404 otherwise
+        (an empty name too, which a request body's "model" may leave for the served one, not a URL)."""
+        if not model:
+            raise APIError(404, "No model named in the URL: GET /v1/models/{model}, or /v1/models for the list.",
+                           param="model", code="model_not_found")
         pipeline = pipeline_for(request, model)
         return ModelCard(id=model, created=request.app.state.created, max_model_len=pipeline.model_info.max_model_len)
 

@@ -58,8 +58,12 @@ class GenerationParams:
 
 def sampling_params(body: GenerationRequest, encode_words: EncodeWords) -> model_worker_pb2.SamplingParams:
     """The sampler's settings, each OpenAI / vLLM field to its proto field of the same meaning."""
+    if body.temperature is not None:
+        temperature = body.temperature
+    else:  # a beam search runs on the model's own logprobs: greedy unless a temperature was asked for
+        temperature = 0.0 if body.use_beam_search else 1.0
     sampling = model_worker_pb2.SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=temperature,
         top_k=max(body.top_k or 0, 0),  # vLLM's -1 and 0 both mean off
         top_p=1.0 if body.top_p is None else body.top_p,
         min_p=body.min_p,

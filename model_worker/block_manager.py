@@ -112,11 +112,13 @@ class BlockManager:
         self.blocks[block_id].ref_count = 1
         return block_id
 
-    def allocate_prompt(self, seq: Sequence, max_new_tokens: int, use_prefix_cache: bool = True) -> int:
+    def allocate_prompt(self, seq: Sequence, max_new_tokens: int, use_prefix_cache: bool = True,
+                        count_hits: bool = True) -> int:
         """Admits a sequence that holds no blocks: reuses its cached prefix blocks (unless
         use_prefix_cache is False), then allocates blocks for up to max_new_tokens more. Returns
         how many tokens it may compute this step (> 0), or 0 and changes nothing when the
-        blocks are not there."""
+        blocks are not there. count_hits: whether the lookup counts in prefix_queried_tokens /
+        prefix_hit_tokens (not for a recompute after preemption, as vLLM keeps those apart)."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         use_prefix_cache = use_prefix_cache and self.enable_prefix_caching
         hits = self._lookup_prefix(seq) if use_prefix_cache else []
@@ -136,7 +138,7 @@ class BlockManager:
         self._seq_hashes[seq.seq_id] = [self.blocks[b].hash for b in hits]
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
-        if use_prefix_cache:
+        if use_prefix_cache and count_hits:
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += num_cached
         return num_new

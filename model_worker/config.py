@@ -122,6 +122,11 @@ class Config(WorkerServerOptions):
                      "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence's decode needs a token of the step's budget: with fewer, the
+            # oldest sequences would take it every step and the newest would stall until they end.
+            raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
+                             f"({self.max_num_seqs}): each running sequence decodes one token a step")
         if self.max_model_len < 0 or self.num_threads < 0:
             raise ValueError("--max-model-len and --num-threads must be >= 0")
         if self.kv_cache_tokens < 0 or self.kv_cache_memory_bytes < 0:

@@ -146,16 +146,20 @@ class Scheduler:
             seats = 1 + seq.num_pending_forks
             if seats_taken and seats_taken + seats > self.max_num_seqs:
                 break
+            # A preempted sequence (or a sample forked without blocks) gets back blocks that hold
+            # its own earlier work: neither its usage nor the prefix cache's hit rate counts them.
+            first_admission = not seq.was_admitted and not seq.output_token_ids
             # Prompt logprobs need every prompt position's logits, so no cached prefix for
             # them until the first token is out (a recompute after preemption may use it).
             n = blocks.allocate_prompt(seq, budget, use_prefix_cache=(
-                seq.sampling.prompt_logprobs is None or bool(seq.output_token_ids)))
+                seq.sampling.prompt_logprobs is None or bool(seq.output_token_ids)), count_hits=first_admission)
             if n == 0:
                 break
             self.waiting.popleft()
             self._queued.discard(id(seq))
-            if not seq.output_token_ids:
+            if first_admission:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            seq.was_admitted = True
             self.running.append(seq)
             seats_taken += seats
             prefills.append(ScheduledChunk(seq, seq.num_computed_tokens, n))

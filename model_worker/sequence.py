@@ -100,6 +100,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Prompt tokens whose KV came from the prefix cache when the sequence was first admitted.
     num_cached_prompt_tokens: int = 0
+    # Set at its first admission: a later one (after a preemption) recomputes what it had.
+    was_admitted: bool = False
     # Which of its request's n / best_of samples this is (0-based); keys seeded draws.
     sample_index: int = 0
     # Samples still to fork from this one once its prompt is prefilled (n / best_of - 1).

@@ -127,6 +127,16 @@ def test_n_best_of_and_beam_search_are_one_request() -> None:
                               temperature=0)).diversity_penalty == 1.5
 
 
+def test_beam_search_without_a_temperature_is_greedy() -> None:
+    """A beam search ranks by the model's logprobs, which the model worker takes only unscaled:
+    a request that names no temperature gets 0 (the sampler's 1.0 would be refused), one that
+    names a temperature keeps it, and the model worker says why it cannot."""
+    assert add_for(completion(n=2, use_beam_search=True)).sampling.temperature == 0.0
+    assert add_for(chat(n=2, use_beam_search=True)).sampling.temperature == 0.0
+    assert add_for(completion(n=2, use_beam_search=True, temperature=0.5)).sampling.temperature == 0.5
+    assert add_for(completion(n=2)).sampling.temperature == 1.0
+
+
 def test_chat_logprobs_and_prompt_logprobs() -> None:
     add = add_for(chat(logprobs=True, top_logprobs=3, prompt_logprobs=2))
     assert add.logprobs and add.top_logprobs == 3 and add.prompt_logprobs == 2

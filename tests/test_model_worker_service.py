@@ -15,8 +15,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tests.conftest import tiny_model_worker
 from tokenwire.grpc_server import CHANNEL_OPTIONS
 from tokenwire.packing import unpack_float32, unpack_int32_list
+from tokenwire.v1 import common_pb2, model_worker_pb2_grpc
 from tokenwire.v1 import model_worker_pb2 as pb
-from tokenwire.v1 import model_worker_pb2_grpc
 
 MAX_MODEL_LEN = 256
 
@@ -123,6 +123,9 @@ def test_stop_token_ends_with_stop(stub):
     (add("e", [1, 2], sampling=pb.SamplingParams(temperature=-1)), "temperature"),
     (add("e", [1, 2], sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
     (add("e", [1, 2], max_tokens=-3), "max_tokens"),
+    (add("e", [1, 2], sampling=pb.SamplingParams(allowed_token_ids=[7, 9], bad_words=[
+        common_pb2.TokenIdSequence(token_ids=[9]), common_pb2.TokenIdSequence(token_ids=[7]), common_pb2.TokenIdSequence(token_ids=[3, 8])])),
+     "no token is left to sample"),
 ])
 def test_bad_requests_fail_alone_with_invalid_argument(stub, bad_add, message):
     results = run_stream(stub, [pb.RequestFrame(adds=[bad_add, add("ok", [1, 2, 3], 3)])])

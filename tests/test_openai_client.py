@@ -115,6 +115,9 @@ def test_models_list_and_retrieve(client: openai.OpenAI, model: str) -> None:
     assert card.id == model and card.object == "model" and card.model_dump()["max_model_len"] > 0
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("not-this-model")
+    # No name in the URL is not the served model (a body's empty "model" is): 404, never a card with no id.
+    empty = httpx.get(str(client.base_url) + "models/")
+    assert empty.status_code == 404 and empty.json()["error"]["code"] == "model_not_found"
 
 
 def test_chat_template_controls(client: openai.OpenAI, model: str) -> None:

@@ -77,6 +77,27 @@ def test_prefix_cache_hit_skips_the_cached_blocks():
     assert b.num_cached_prompt_tokens == 8
 
 
+def test_a_prompt_preempted_mid_prefill_counts_no_cache_hits_of_its_own_blocks():
+    """Re-admitted after a preemption, a prompt gets back the full blocks it computed itself:
+    neither its usage's cached tokens nor the prefix cache's hit counters take them."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8)
+    short = seq(0, 3, first_token=100)
+    scheduler.add(short)
+    run_chunks(scheduler)
+    long = seq(1, 20, first_token=200)  # chunked 7-8 tokens a step; nothing shares its prompt
+    scheduler.add(long)
+    for _ in range(12):
+        run_chunks(scheduler)
+        if len(short.output_token_ids) >= 10 and short in scheduler.running:
+            scheduler.finish(short)
+        if long.output_token_ids:
+            break
+    assert scheduler.num_preemptions >= 1 and long.output_token_ids
+    assert long.num_cached_prompt_tokens == 0
+    assert bm.prefix_hit_tokens == 0 and bm.prefix_queried_tokens == 3 + 20
+
+
 def test_decode_without_a_block_preempts_the_newest_which_recomputes_later():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
