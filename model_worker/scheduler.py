@@ -83,8 +83,9 @@ class Scheduler:
         measure): not preempted sequences or a search's rounds, which belong to admitted requests,
         and not the requests of a burst that free seats admit at the next step."""
         free = self.max_num_seqs - sum(1 + seq.num_pending_forks for seq in self.running)
-        # Preempted sequences and rounds go first (preemption puts them at the front): a seat each.
-        free -= len(self.waiting) - len(self._queued)
+        # Preempted sequences and rounds go first (preemption puts them at the front): a seat for
+        # each and for each sample a prompt preempted before its first token will still fork.
+        free -= sum(1 + seq.num_pending_forks for seq in self.waiting if id(seq) not in self._queued)
         admitted_next = 0
         if free > 0:  # the new requests, in order, that the free seats take (one per sample of each)
             for seq in self.waiting:

@@ -202,3 +202,16 @@ def test_random_load_with_forks_preemption_and_aborts_keeps_the_books_straight()
             scheduler.finish(s)
     assert done > 50 and scheduler.num_preemptions > 0 and bm.prefix_hit_tokens > 0
     assert bm.num_used_blocks == 0
+
+
+def test_a_preempted_prompt_keeps_the_seats_of_the_samples_it_will_fork_in_the_waiting_count():
+    """A prompt preempted before its first token still forks its n - 1 samples once re-admitted:
+    the waiting room's count gives them seats, so a new request behind it is beyond the seats."""
+    scheduler = Scheduler(BlockManager(num_blocks=16, block_size=4), max_num_seqs=4, max_num_batched_tokens=8)
+    preempted = seq(0, 6)
+    preempted.num_pending_forks = 3  # n=4: all four seats once it is back
+    scheduler.add(preempted, queued=False)  # as _preempt puts it back: not a new request
+    scheduler.add(seq(1, 3, first_token=50))
+    assert scheduler.num_queued_beyond_seats() == 1
+    preempted.num_pending_forks = 2  # n=3: one seat is left for the new request
+    assert scheduler.num_queued_beyond_seats() == 0
