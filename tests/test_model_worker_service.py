@@ -124,7 +124,7 @@ def test_stop_token_ends_with_stop(stub):
     (add("e", [1, 2], sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
     (add("e", [1, 2], max_tokens=-3), "max_tokens"),
     (add("e", [1, 2], sampling=pb.SamplingParams(allowed_token_ids=[7, 9], bad_words=[
-        common_pb2.TokenIdSequence(token_ids=[9]), common_pb2.TokenIdSequence(token_ids=[7]), common_pb2.TokenIdSequence(token_ids=[3, 8])])),
+        common_pb2.TokenIdSequence(token_ids=ids) for ids in ([9], [7], [3, 8])])),
      "no token is left to sample"),
 ])
 def test_bad_requests_fail_alone_with_invalid_argument(stub, bad_add, message):

@@ -94,5 +94,6 @@ def validate_sampling_params(p: SamplingParams, vocab_size: int, max_tokens: int
     # Every allowed token a one-token bad word: each step's logits would all be -inf, and the draw
     # an arbitrary token outside both (a bad word of more tokens bans only after its prefix).
     if p.allowed_token_ids and {seq[0] for seq in p.bad_words if len(seq) == 1}.issuperset(p.allowed_token_ids):
-        return "bad_words ban every token in allowed_token_ids: no token is left to sample", "sampling.allowed_token_ids"
+        return ("bad_words ban every token in allowed_token_ids: no token is left to sample",
+                "sampling.allowed_token_ids")
     return None
