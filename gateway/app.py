@@ -188,7 +188,8 @@ def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
             elif start == "thinking":
                 reasoning_parser = None
         responder = ChatResponder(model, speller_for(body, pipeline), body.logprobs, body.include_usage, prompt_ids,
-                                  tool_calls, reasoning_parser, prompt_tail, constrained, think_end_id)
+                                  tool_calls, reasoning_parser, prompt_tail, constrained, think_end_id,
+                                  body.echo_text())
         responder.continuous_usage = body.continuous_usage
         return await _respond(request, pipeline, [prompt_ids], params, body.stream, responder, "messages")
 

@@ -82,7 +82,6 @@ _LEGACY_FUNCTIONS = "the deprecated functions / function_call are not supported:
 _UNSERVED_FIELDS = {
     "functions": _LEGACY_FUNCTIONS,
     "function_call": _LEGACY_FUNCTIONS,
-    "echo": "echo is not supported on chat completions (vLLM's extension); /v1/completions has it",
     "audio": "audio output is not supported: this model answers in text",
 }
 
@@ -427,6 +426,9 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # False: at most one call ("required" decodes a list of one).
     parallel_tool_calls: bool = True
+    # vLLM's extension: the answer starts with the last message's text where that message is the
+    # answer's own role (an assistant prefill continued with continue_final_message).
+    echo: bool = False
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:
@@ -491,6 +493,12 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
         if exclude_when_none and self.tool_choice == "none":
             return None
         return template_tools_of(self.tools)
+
+    def echo_text(self) -> str:
+        """The text echo puts before the answer: the last message's, where it is the assistant's
+        (vLLM's rule; the answer is always the assistant's here), else none."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def completion_token_limit(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens when both are sent.

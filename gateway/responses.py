@@ -277,9 +277,12 @@ class ChatResponder(_Responder):
     def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, include_usage: bool = False,
                  prompt_token_ids: list[int] | None = None, tool_calls: ToolCallMode | None = None,
                  reasoning_parser: str | None = None, prompt_tail: str = "", constrained: bool = False,
-                 think_end_id: int | None = None) -> None:
+                 think_end_id: int | None = None, echo_text: str = "") -> None:
         super().__init__(model, speller, logprobs, include_usage)
         self.prompt_token_ids = prompt_token_ids or []
+        # echo: the text every choice's answer starts with (the prefill it continues), as it
+        # came, ahead of what the parsers make of the generated text.
+        self.echo_text = echo_text
         self.tool_calls = tool_calls
         # reasoning_parsers' name: the thinking goes out as `reasoning`, apart from the content;
         # prompt_tail: the end of the prompt, which may have opened or closed the thinking.
@@ -314,9 +317,14 @@ class ChatResponder(_Responder):
         return ChatChoiceLogprobs(content=content)
 
     def first_chunks(self, n: int) -> list[ChatCompletionChunk]:
-        """OpenAI opens every choice's stream with the role and empty content."""
-        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
-                for i in range(n)]
+        """OpenAI opens every choice's stream with the role and empty content; with echo, a chunk
+        of the echoed text follows for each choice (vLLM's order)."""
+        chunks = [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                  for i in range(n)]
+        if self.echo_text:
+            chunks += [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=self.echo_text))])
+                       for i in range(n)]
+        return chunks
 
     @staticmethod
     def _delta_content(event: GenerationEvent) -> str | None:
@@ -449,6 +457,8 @@ class ChatResponder(_Responder):
         if self.reasoning_parser is not None:
             message.content = message.content or None
             message.reasoning = message.reasoning_content = reasoning or None
+        if self.echo_text:
+            message.content = self.echo_text + (message.content or "")
         return message, finish
 
     def _answer(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
@@ -631,9 +641,9 @@ async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, r
         return None if chunk is None else sse_data(chunk)
 
     try:
-        for index, chunk in enumerate(responder.first_chunks(num_choices)):
-            if continuous_usage:  # the role chunks too, as vLLM's: the prompt, nothing generated yet
-                chunk.usage = choice_usage(index).model()
+        for chunk in responder.first_chunks(num_choices):
+            if continuous_usage:  # the role and echo chunks too, as vLLM's: the prompt, nothing generated yet
+                chunk.usage = choice_usage(chunk.choices[0].index).model()
             yield sse_event(chunk, with_usage)
         chunk = await event_chunk(*first)
         if chunk is not None:

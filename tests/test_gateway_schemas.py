@@ -295,7 +295,7 @@ def test_chat_template_kwargs_may_not_set_apply_chat_template_arguments() -> Non
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": {"name": "f"}}, "function_call"),
-    ({"chat_template": "{{ messages }}"}, "chat_template"), ({"echo": True}, "echo"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                 {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),

@@ -143,6 +143,26 @@ def test_chat_template_controls(client: openai.OpenAI, model: str) -> None:
                          extra_body={"add_generation_prompt": False, "continue_final_message": True})
     assert reply.usage.prompt_tokens == len(continued)
     assert chat_texts(chunks)[0] == reply.choices[0].message.content
+    # echo (vLLM's): the continued message's text first, then the same continuation, in both forms;
+    # in a stream its own chunk after the role's, with continuous usage counting no output yet.
+    echo_body = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    echoed, _ = chat(client, model, messages=prefill, max_tokens=3, temperature=0, n=2, extra_body=echo_body)
+    echo_chunks = list(client.chat.completions.create(
+        model=model, messages=prefill, max_tokens=3, temperature=0, n=2, stream=True,
+        extra_body={**echo_body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    for chunk in echo_chunks:
+        shape(chunk, stream=True)
+    for index in (0, 1):
+        assert echoed.choices[index].message.content == "Hello there" + reply.choices[0].message.content
+        assert chat_texts(echo_chunks)[index] == echoed.choices[index].message.content
+    echo_deltas = [c for c in echo_chunks if c.choices and c.choices[0].delta.content == "Hello there"]
+    assert [c.choices[0].index for c in echo_deltas] == [0, 1]
+    assert all(c.usage.completion_tokens == 0 for c in echo_deltas)
+    assert echo_chunks.index(echo_deltas[0]) == 2  # after both role chunks
+    # A last message of the user's is not the answer's start: nothing is echoed.
+    plain, _ = chat(client, model, messages=prefill[:1], max_tokens=3, temperature=0, extra_body={"echo": True})
+    assert plain.choices[0].message.content == chat(client, model, messages=prefill[:1], max_tokens=3,
+                                                    temperature=0)[0].choices[0].message.content
     # Refused: both at once, and a template kwarg that would override apply_chat_template's own.
     for body in ({"continue_final_message": True}, {"chat_template_kwargs": {"tokenize": False}}):
         with pytest.raises(openai.BadRequestError) as refused:
