@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Enough for every OpenAI limit we mirror; the model worker checks the rest against its vocab.
 MAX_TOP_LOGPROBS = 20
-MAX_N = 16
+# OpenAI's bound on n; the model worker refuses more samples than its --max-best-of and
+# --max-num-seqs let it run at once (a 400 naming n or best_of).
+MAX_N = 128
 # Token ids, counts and top_k travel as int32 on the wire (vLLM refuses what does not fit too).
 INT32_MAX = 2**31 - 1
 Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]

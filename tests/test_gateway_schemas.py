@@ -54,7 +54,7 @@ def test_unknown_fields_are_ignored() -> None:
 
 @pytest.mark.parametrize("fields", [
     {"temperature": 2.5}, {"temperature": -0.1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
-    {"max_tokens": 0}, {"max_completion_tokens": 0}, {"n": 0}, {"n": 17}, {"top_logprobs": 21, "logprobs": True},
+    {"max_tokens": 0}, {"max_completion_tokens": 0}, {"n": 0}, {"n": 129}, {"top_logprobs": 21, "logprobs": True},
     {"top_logprobs": 2}, {"presence_penalty": 2.5}, {"frequency_penalty": -2.5}, {"logit_bias": {"x": 5}},
     {"logit_bias": {"1": 101}}, {"stop": ""}, {"stop": ["ok", ""]}, {"messages": []},
     {"messages": [{"role": "robot", "content": "x"}]},

@@ -535,6 +535,15 @@ def test_tool_choices_it_cannot_serve_are_refused(client: openai.OpenAI, model: 
     assert refused.value.status_code == 400 and refused.value.body["param"].startswith(param)
 
 
+@pytest.mark.parametrize(("body", "param"), [({"n": 20}, "n"), ({"n": 2, "best_of": 20}, "best_of")])
+def test_more_samples_than_the_model_worker_runs_at_once_are_refused_by_it(
+        client: openai.OpenAI, model: str, body: dict, param: str) -> None:
+    # Within OpenAI's bound (128), past this stack's --max-num-seqs 8: the model worker's 400.
+    with pytest.raises(openai.BadRequestError, match="must be <= 8, not 20") as refused:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=3, extra_body=body)
+    assert refused.value.body["param"] == param
+
+
 def test_response_format_json_object_constrains_the_output(client: openai.OpenAI, model: str) -> None:
     # Free-form objects may outrun max_tokens on a random model: the text must still be JSON so far.
     full, _ = chat(client, model, max_tokens=40, temperature=0, extra_body={"response_format": {"type": "json_object"}})
