@@ -153,6 +153,11 @@ def dummy_weights(shape: LlamaShape | GPT2Shape, seed: int = 0, device: torch.de
         })
         if s.attention_bias:
             weights.update({p + f"self_attn.{n}_proj.bias": rand(d) for n, d in (("q", q), ("k", kv), ("v", kv))})
+        if s.o_bias:
+            weights[p + "self_attn.o_proj.bias"] = rand(s.hidden_size)
+        if s.mlp_bias:
+            weights.update({p + f"mlp.{n}_proj.bias": rand(d) for n, d in
+                            (("gate", s.intermediate_size), ("up", s.intermediate_size), ("down", s.hidden_size))})
         if s.qk_norm:
             weights.update({p + f"self_attn.{n}_norm.weight": ones(s.head_dim) for n in "qk"})
     return weights

@@ -109,9 +109,9 @@ def test_the_llama_forward_uses_them_on_bf16_and_scores_prompts_like_the_torch_o
     assert with_kernel.kv_cache.decode_kernel is not None and torch_ops.kv_cache.decode_kernel is not None
     assert with_kernel.model.add_rms_norm is module.add_rms_norm
     assert with_kernel.model.rope_and_cache is module.rope_and_cache
-    assert with_kernel.model.silu_and_mul is module.silu_and_mul
+    assert with_kernel.model.act_and_mul is module.silu_and_mul
     assert torch_ops.model.add_rms_norm is llama.add_rms_norm and torch_ops.model.rope_and_cache is None
-    assert torch_ops.model.silu_and_mul is llama.silu_and_mul
+    assert torch_ops.model.act_and_mul is llama.silu_and_mul
     assert runner(True, torch.float32).model.rope_and_cache is None
     narrow_heads = runner(True, model_dir=tiny_model_dir).model  # 16-wide heads: norms only
     assert narrow_heads.add_rms_norm is module.add_rms_norm and narrow_heads.rope_and_cache is None

@@ -148,6 +148,47 @@ def test_qwen2_window_on_layers_from_max_window_layers(tmp_path_factory, tiny_mo
     assert max_logprob_error(runner_for(unwindowed), model) > 1e-2
 
 
+@pytest.mark.parametrize(("family", "config", "unread"), [
+    ("Llama", {"attention_bias": True}, "o_proj.bias"),
+    ("Llama", {"mlp_bias": True}, "mlp.down_proj.bias"),
+    ("Qwen3", {"attention_bias": True}, "o_proj.bias"),
+], ids=["llama-attention-bias", "llama-mlp-bias", "qwen3-attention-bias"])
+def test_bias_variants_match_transformers(tmp_path_factory, tiny_model_dir, tmp_path, family, config, unread):
+    """Each bias its transformers class builds is read: o_proj's with attention_bias (Llama,
+    Qwen3), the MLP's with Llama's mlp_bias. The same checkpoint with the flag off in config.json
+    leaves those tensors unread, which is refused, not run with wrong logits."""
+    import transformers
+
+    config_class, model_class = (getattr(transformers, f"{family}Config"), getattr(transformers, f"{family}ForCausalLM"))
+    model, model_dir = tiny(config_class, model_class, tmp_path_factory.mktemp(family), tiny_model_dir, **config)
+    runner = runner_for(model_dir)
+    assert isinstance(runner.model, LlamaModel)
+    assert_greedy_matches_transformers(runner, model)
+    switched_off = with_config(model_dir, tmp_path / "off", **{key: False for key in config})
+    with pytest.raises(ValueError, match=f"does not read .*{unread}"):
+        runner_for(switched_off)
+
+
+def test_mistral_has_no_biases_whatever_its_config_says(mistral, tmp_path):
+    # transformers' Mistral builds no bias, attention_bias or not: nothing to look for.
+    model, model_dir = mistral
+    runner = runner_for(with_config(model_dir, tmp_path / "biased", attention_bias=True, mlp_bias=True))
+    assert not (runner.shape.attention_bias or runner.shape.o_bias or runner.shape.mlp_bias)
+    assert_greedy_matches_transformers(runner, model)
+
+
+def test_mlp_activation_is_the_configs(tmp_path_factory, tiny_model_dir, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model, model_dir = tiny(LlamaConfig, LlamaForCausalLM, tmp_path_factory.mktemp("gelu"), tiny_model_dir,
+                            hidden_act="gelu_pytorch_tanh")
+    assert_greedy_matches_transformers(runner_for(model_dir), model)
+    as_silu = with_config(model_dir, tmp_path / "silu", hidden_act="silu")
+    assert max_logprob_error(runner_for(as_silu), model) > 1e-2
+    with pytest.raises(ValueError, match="hidden_act 'quick_gelu' not supported"):
+        runner_for(with_config(model_dir, tmp_path / "quick", hidden_act="quick_gelu"))
+
+
 def test_window_masks_follow_transformers_rule():
     # One 6-token chunk after 4 cached tokens, and decodes at positions 3 (inside) and 9.
     meta = AttentionMetadata.build([(list(range(4)), 4, 6)], [([4], 3), ([5, 6, 7], 9)], 4, CPU, sliding_window=3)

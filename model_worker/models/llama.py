@@ -7,6 +7,7 @@ decodes share a step.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -37,8 +38,11 @@ class LlamaShape:
     rope: RopeScaling
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q, k and v have biases
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    o_bias: bool = False  # o_proj has a bias (Llama's and Qwen3's attention_bias; never Qwen2's)
+    mlp_bias: bool = False  # gate, up and down have biases (Llama's mlp_bias)
+    hidden_act: str = "silu"  # the MLP's activation, a transformers ACT2FN name
     # A query at position p sees keys p - sliding_window < k <= p in the layers marked True
     # (Mistral: all of them; Qwen2/3: layer_types). 0 and () when every layer attends fully.
     sliding_window: int = 0
@@ -51,6 +55,15 @@ class LlamaShape:
             raise ValueError(f"architectures {archs} not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         num_heads = config["num_attention_heads"]
         sliding_window, sliding_layers = parse_sliding_window(config, archs)
+        # The biases each family's transformers class builds: Qwen2's q, k and v always, its
+        # o_proj never; Llama and Qwen3 all four with attention_bias; Mistral none, whatever its
+        # config says; mlp_bias is Llama's alone. One left out would leave its weights unread and
+        # every logit wrong (load_weights refuses weights it did not read).
+        llama_or_qwen3 = "LlamaForCausalLM" in archs or "Qwen3ForCausalLM" in archs
+        attention_bias = bool(config.get("attention_bias", False)) and llama_or_qwen3
+        hidden_act = config.get("hidden_act", "silu")
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {hidden_act!r} not supported; supported: {', '.join(ACTIVATIONS)}")
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -63,8 +76,11 @@ class LlamaShape:
             rope=RopeScaling.from_config(config),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
-            attention_bias=config.get("attention_bias", False) or "Qwen2ForCausalLM" in archs,
+            attention_bias=attention_bias or "Qwen2ForCausalLM" in archs,
             qk_norm="Qwen3ForCausalLM" in archs,
+            o_bias=attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)) and "LlamaForCausalLM" in archs,
+            hidden_act=hidden_act,
             sliding_window=sliding_window,
             sliding_layers=sliding_layers,
         )
@@ -117,6 +133,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (the fused gate and up projections) -> silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# The MLP activations of config.json's hidden_act, as transformers' ACT2FN computes them.
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def gated_activation(hidden_act: str):
+    """gate_up [T, 2I] -> act(gate) * up [T, I] for an activation other than SiLU."""
+    act = ACTIVATIONS[hidden_act]
+
+    def apply(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+    return apply
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -181,13 +217,17 @@ class LlamaModel:
             qkv_bias = (torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                         if s.attention_bias else None)
             gate_up = torch.cat([take_loaded(p + "mlp.gate_proj.weight"), take_loaded(p + "mlp.up_proj.weight")])
+            gate_up_bias = (torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+                            if s.mlp_bias else None)
             self.layers.append({
                 "input_norm": take(p + "input_layernorm.weight"),
                 "qkv": linear(qkv, qkv_bias),
-                "o": linear(take_loaded(p + "self_attn.o_proj.weight")),
+                "o": linear(take_loaded(p + "self_attn.o_proj.weight"),
+                            take(p + "self_attn.o_proj.bias") if s.o_bias else None),
                 "post_norm": take(p + "post_attention_layernorm.weight"),
-                "gate_up": linear(gate_up),
-                "down": linear(take_loaded(p + "mlp.down_proj.weight")),
+                "gate_up": linear(gate_up, gate_up_bias),
+                "down": linear(take_loaded(p + "mlp.down_proj.weight"),
+                               take(p + "mlp.down_proj.bias") if s.mlp_bias else None),
             })
             if s.qk_norm:
                 # q's and k's per-head norm weights stacked [H + Hkv, D], to norm qk in one op.
@@ -200,6 +240,13 @@ class LlamaModel:
         else:
             self.lm_head = linear(take_loaded("lm_head.weight"), gguf_format=gguf_lm_head)
         del embed_loaded
+        # A tensor of the checkpoint this forward never reads is a part of the model it would
+        # leave out (a bias, a norm of a variant), every logit silently wrong: refused instead.
+        unread = sorted(name for name in weights if not name.endswith("rotary_emb.inv_freq")
+                        and not (name == "lm_head.weight" and s.tie_word_embeddings))
+        if unread:
+            raise ValueError(f"the checkpoint has weights the Llama-family forward does not read "
+                             f"({len(unread)}: {', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''})")
         # Rotary tables in float32 for every position, computed as transformers computes
         # them (outer product in float32, cos/sin, then cast) so positions match exactly.
         # Scaled rope types change inv_freq, and yarn scales cos and sin (attention_factor).
@@ -218,7 +265,9 @@ class LlamaModel:
         # and the MLP's activation.
         self.rms_norm = llama_ops.rms_norm if llama_ops is not None else rms_norm
         self.add_rms_norm = llama_ops.add_rms_norm if llama_ops is not None else add_rms_norm
-        self.silu_and_mul = llama_ops.silu_and_mul if llama_ops is not None else silu_and_mul
+        self.act_and_mul = llama_ops.silu_and_mul if llama_ops is not None else silu_and_mul
+        if s.hidden_act not in ("silu", "swish"):
+            self.act_and_mul = gated_activation(s.hidden_act)  # the kernels' op is SiLU's alone
         # The C++ op takes head sizes in multiples of 32, the Triton one powers of two (its rope_fits).
         rope_fits = not s.qk_norm and (llama_ops.rope_fits(s.head_dim) if hasattr(llama_ops, "rope_fits")
                                        else s.head_dim % 32 == 0)
@@ -253,7 +302,7 @@ class LlamaModel:
             attn = self.attention(i, q, k, v, meta, kv, self.scale, self.sliding_layers[i])  # [T, H * D]
             x, h = self.add_rms_norm(x, layer["o"](attn), layer["post_norm"], eps)
             next_norm = self.layers[i + 1]["input_norm"] if i + 1 < len(self.layers) else self.norm
-            x, h = self.add_rms_norm(x, layer["down"](self.silu_and_mul(layer["gate_up"](h))), next_norm, eps)
+            x, h = self.add_rms_norm(x, layer["down"](self.act_and_mul(layer["gate_up"](h))), next_norm, eps)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
