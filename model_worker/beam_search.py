@@ -6,8 +6,9 @@ for the next live beams. EngineLoop drives it with one-token engine requests who
 are the beams, so the prefix cache turns each round into (about) one decode per beam; that
 is the split vLLM's V1 engine uses too, and it keeps beam search out of the batched step.
 
-Scoring follows transformers' beam search: a finished hypothesis scores
-cumulative_logprob / num_output_tokens ** length_penalty (the stop token not counted), and
+Scoring follows transformers' beam search (as of its 4.4x rewrite): a finished hypothesis scores
+cumulative_logprob / num_output_tokens ** length_penalty, the stop token counted (vLLM leaves
+it out, but counts the prompt's tokens too, a scale of its own), and
 the search ends when beam_width hypotheses are in and no live beam can still beat the worst
 of them (transformers' early_stopping=False heuristic), or when max_tokens is reached.
 With diversity_penalty > 0 it is transformers' group (diverse) beam search with one beam per
@@ -145,9 +146,8 @@ class BeamSearch:
         return Beam(beam.token_ids + [token], beam.logprobs + [logprob], beam.cumulative_logprob + logprob, top)
 
     def _finish(self, beam: Beam, stopped: bool) -> None:
-        length = len(beam.token_ids) - (1 if stopped else 0)
         self.finished.append(Hypothesis(beam.token_ids, beam.logprobs, beam.cumulative_logprob,
-                                        self.score(beam.cumulative_logprob, length), stopped, beam.top))
+                                        self.score(beam.cumulative_logprob, len(beam.token_ids)), stopped, beam.top))
 
     def _cannot_improve(self) -> bool:
         if len(self.finished) < self.beam_width:

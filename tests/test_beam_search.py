@@ -37,8 +37,8 @@ def test_the_best_joint_candidates_survive_and_a_top_ranked_stop_becomes_a_hypot
                     cands((EOS, 0.8), (11, 0.1), (12, 0.05), (13, 0.05))])
     assert [b.token_ids for b in search.beams] == [[5, 8], [6, 11]]
     assert [(h.token_ids, h.stopped) for h in search.finished] == [([6, EOS], True)]
-    # The stop token is not counted in the length: score = log(0.3 * 0.8) / 1.
-    assert search.finished[0].score == pytest.approx(math.log(0.3 * 0.8))
+    # The stop token counts in the length, as in transformers: score = log(0.3 * 0.8) / 2.
+    assert search.finished[0].score == pytest.approx(math.log(0.3 * 0.8) / 2)
 
 
 def test_a_stop_below_the_beam_width_is_dropped():
@@ -50,7 +50,7 @@ def test_a_stop_below_the_beam_width_is_dropped():
 def test_max_tokens_ends_every_beam_and_best_is_ranked_by_length_penalised_score():
     search = BeamSearch(beam_width=2, n=2, max_tokens=2, stop_token_ids=frozenset({EOS}), length_penalty=2.0)
     search.advance([cands((5, 0.5), (EOS, 0.4), (6, 0.05), (7, 0.05))])
-    # [EOS] ends at once: length 0 counts as 1 -> score log(0.4).
+    # [EOS] ends at once: length 1 -> score log(0.4).
     search.advance([cands((8, 0.9), (9, 0.05), (1, 0.03), (2, 0.02)),
                     cands((10, 0.5), (11, 0.4), (3, 0.05), (4, 0.05))])
     assert search.done and search.beams == []
@@ -119,6 +119,53 @@ def test_engine_beam_search_equals_transformers_beam_search(tiny_model_dir, hf_m
     assert [by_index_[0], by_index_[1]] == expected
     # Every round request ended and freed its blocks (the prefix cache may keep them cached).
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_searches_that_end_on_the_stop_token_equal_transformers(tiny_model_dir, tmp_path):
+    """The stop token's place in a finished hypothesis' length: random searches on a model whose
+    lm_head makes EOS a likely next token, against transformers' generate. Leaving it out of the
+    length (vLLM's count) ranks some of these differently."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny_hf_models import perturb_weights, save_tiny_model
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=256, tie_word_embeddings=False,
+                                         bos_token_id=1, eos_token_id=EOS)).eval()
+    perturb_weights(model)
+    with torch.no_grad():  # EOS's logit about as high as the best token's, on average
+        hidden = model.model(torch.randint(3, 512, (8, 10))).last_hidden_state.reshape(-1, 64)
+        mean = hidden.mean(0)
+        model.lm_head.weight[EOS] = mean / mean.dot(mean) * model.lm_head(hidden).max(-1).values.mean() * 1.1
+    runner = ModelRunner(save_tiny_model(model, tmp_path, tiny_model_dir), "auto", torch.device("cpu"), torch.float32,
+                         8, 128)
+    generator = torch.Generator().manual_seed(3)
+    ended_on_eos = 0
+    for _ in range(40):
+        prompt = torch.randint(3, 512, (int(torch.randint(1, 13, ()),),), generator=generator).tolist()
+        width = int(torch.randint(2, 5, (), generator=generator))
+        n = int(torch.randint(1, width + 1, (), generator=generator))
+        max_tokens = int(torch.randint(1, 9, (), generator=generator))
+        length_penalty = [1.0, 0.0, 2.0, -1.0][int(torch.randint(0, 4, (), generator=generator))]
+        engine = LLMEngine(runner, eos_token_ids=[EOS], max_num_seqs=8, max_num_batched_tokens=256,
+                           max_waiting_requests=64)
+        got: dict[int, list[int]] = {}
+        for out in run_beam(engine, prompt, max_tokens=max_tokens, n=n, best_of=width, length_penalty=length_penalty):
+            got.setdefault(out.index, []).append(out.token_id)
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 num_beams=width, num_return_sequences=n, max_new_tokens=max_tokens, do_sample=False,
+                                 early_stopping=False, length_penalty=length_penalty, eos_token_id=EOS,
+                                 pad_token_id=EOS)
+        expected = []
+        for row in ref.tolist():
+            tokens = row[len(prompt):]
+            expected.append(tokens[:tokens.index(EOS) + 1] if EOS in tokens else tokens)
+        ended_on_eos += any(EOS in tokens for tokens in expected)
+        assert [got[i] for i in range(n)] == expected, (prompt, width, n, max_tokens, length_penalty)
+    assert ended_on_eos >= 3  # the searches do end on the stop token
 
 
 def test_beam_search_rejects_sampling_knobs(tiny_model_dir):
