@@ -21,7 +21,7 @@ class FinishReason(enum.IntEnum):
 
 class SamplerOrder(enum.IntEnum):
     # Values equal the proto's SamplerOrder.
-    DEFAULT = 0  # HF / vLLM: penalties -> temperature -> filters
+    DEFAULT = 0  # HF (and vLLM V0): penalties -> temperature -> top_k, top_p, min_p, ...
     LLAMA_CPP = 1  # llama.cpp: penalties -> DRY -> filters -> temperature last
 
 

@@ -1,5 +1,5 @@
 """The Sampler: turns one step's logits [S, V] into a token per row, with logprobs, for the whole
-batch at once, following each row's chain (HF/vLLM order or llama.cpp's).
+batch at once, following each row's chain (HF's order or llama.cpp's).
 
 The engine calls sample() once per step with the Sequences the rows belong to; the batch's tensor
 view (batch.py) is rebuilt only when those rows change, and the token statistics are updated in
