@@ -8,7 +8,6 @@ stored as Conv1D ([in, out]) in checkpoints, and a tied lm_head.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -17,22 +16,11 @@ import torch.nn.functional as F
 
 from model_worker.attention_metadata import AttentionMetadata
 from model_worker.kv_cache import PagedKVCache
+from model_worker.models.activations import ACTIVATIONS
 from model_worker.models.attention import paged_attention
 from model_worker.models.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("GPT2LMHeadModel",)
-
-# transformers' ACT2FN names -> the function; gelu_new is GPT-2's tanh approximation of GELU.
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
-
 
 @dataclass
 class GPT2Shape:

@@ -7,7 +7,6 @@ decodes share a step.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 from model_worker.attention_metadata import AttentionMetadata
 from model_worker.kv_cache import PagedKVCache
+from model_worker.models.activations import ACTIVATIONS
 from model_worker.models.attention import paged_attention
 from model_worker.models.batch_invariant_attention import per_query_attention
 from model_worker.models.linear import BATCH_INVARIANT_ROW_TILE, Linear
@@ -133,16 +133,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (the fused gate and up projections) -> silu(gate) * up [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-# The MLP activations of config.json's hidden_act, as transformers' ACT2FN computes them.
-ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "relu": F.relu,
-}
 
 
 def gated_activation(hidden_act: str):
