@@ -126,6 +126,10 @@ class ChatMessage(_Lenient):
     # Replayed tool conversations: the assistant's calls and the tool's answer to one of them.
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # A replayed assistant turn's thinking (what this gateway returns as `reasoning`, and its older
+    # name): templates of interleaved thinking (Qwen3's) show it for the turns after the last query.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -395,19 +399,37 @@ def template_tools_of(tools: list[ToolDefinition] | None) -> list[dict[str, Any]
     return [t.model_dump() for t in tools] if tools else None
 
 
-def hoist_schema_defs(schemas: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Each schema without its `$defs`, and all of them merged: a `#/$defs/...` pointer resolves
-    from the root, so schemas nested in one (the "required" call list) need their definitions
-    there (vLLM's get_tool_schema_defs). A name defined twice differently is refused."""
-    merged: dict[str, Any] = {}
-    stripped = []
-    for schema in schemas:
-        for name, definition in (schema.get("$defs") or {}).items():
-            if name in merged and merged[name] != definition:
-                raise ParamError("tools", f"tools define $defs {name!r} twice, differently")
-            merged[name] = definition
-        stripped.append({k: v for k, v in schema.items() if k != "$defs"})
-    return stripped, merged
+def arguments_schema(function: FunctionDefinition) -> dict[str, Any]:
+    """The schema a call's arguments decode against: `parameters` as sent, typed an object where
+    it names no type (ToolDefinition already refuses any other type), else any JSON value would
+    match and a client's json.loads(arguments) could get a list or a bool."""
+    parameters = function.parameters or {}
+    return parameters if "type" in parameters else {"type": "object", **parameters}
+
+
+# Where the "required" call list keeps tool i's schema: under the root's $defs, so its own
+# pointers ("#", "#/$defs/...", "#/definitions/...", "#/properties/...") can be re-rooted there.
+_TOOL_DEF = "tokenwire_tool_{}"
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_SCHEMA_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def reroot_schema(schema: Any, root: str) -> Any:
+    """schema with every local $ref ("#..." ) pointing into it made to point at root + the same
+    path, for the schema moved from the document root to `root` (a JSON pointer fragment)."""
+    if isinstance(schema, list):
+        return [reroot_schema(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            moved[key] = root + value[1:]
+        elif key in _SCHEMA_DATA_KEYWORDS:
+            moved[key] = value
+        else:
+            moved[key] = reroot_schema(value, root)
+    return moved
 
 
 class NamedFunction(_Lenient):
@@ -474,18 +496,20 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
         objects, one of the tools each. None when no call is forced."""
         named = self.named_tool()
         if named is not None:
-            return named.function.parameters or {"type": "object"}
+            return arguments_schema(named.function)
         if self.tool_choice != "required":
             return None
-        parameters, defs = hoist_schema_defs([t.function.parameters or {"type": "object"} for t in self.tools or ()])
+        # Each tool's schema whole under the root's $defs, its pointers re-rooted there: nested in
+        # the list as sent, "#" would mean the list and "#/definitions/..." would point nowhere.
+        tools = self.tools or ()
+        defs = {_TOOL_DEF.format(i): reroot_schema(arguments_schema(t.function), f"#/$defs/{_TOOL_DEF.format(i)}")
+                for i, t in enumerate(tools)}
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                   "parameters": schema},
-                  "required": ["name", "parameters"]} for t, schema in zip(self.tools or (), parameters, strict=True)]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+                                                   "parameters": {"$ref": f"#/$defs/{_TOOL_DEF.format(i)}"}},
+                  "required": ["name", "parameters"]} for i, t in enumerate(tools)]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
         if not self.parallel_tool_calls:
             schema["maxItems"] = 1
-        if defs:
-            schema["$defs"] = defs
         return schema
 
     def template_tools(self, exclude_when_none: bool = False) -> list[dict[str, Any]] | None:

@@ -193,6 +193,10 @@ def chat_messages_of(chat: Sequence[ChatMessage]) -> list[dict[str, object]]:
             message["tool_calls"] = [_call_for_template(call) for call in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if role == "assistant" and reasoning is not None:
+            # Both names, as vLLM passes them: templates read one or the other.
+            message["reasoning"] = message["reasoning_content"] = reasoning
         messages.append(message)
     return messages
 

@@ -212,6 +212,20 @@ def test_messages_keep_tool_roles_and_join_text_parts() -> None:
     assert messages[4] == {"role": "tool", "content": "43", "name": "f"}
 
 
+def test_a_replayed_assistant_turn_keeps_its_thinking_for_the_template() -> None:
+    # Under either name (reasoning, as this gateway answers; reasoning_content, its older one), the
+    # template gets both, as vLLM passes them; only an assistant's turn has any.
+    body = chat(messages=[{"role": "user", "content": "q"},
+                          {"role": "assistant", "content": "a", "reasoning_content": "I thought"},
+                          {"role": "assistant", "content": "b", "reasoning": "then this"},
+                          {"role": "user", "content": "q2", "reasoning": "not a turn of thinking"}])
+    messages = chat_messages_of(body.messages)
+    assert messages[1] == {"role": "assistant", "content": "a", "reasoning": "I thought",
+                           "reasoning_content": "I thought"}
+    assert messages[2]["reasoning"] == messages[2]["reasoning_content"] == "then this"
+    assert messages[3] == {"role": "user", "content": "q2"}
+
+
 @pytest.mark.parametrize(("prompt", "expected"), [
     ("hello", ["hello"]), (["hello"], ["hello"]), (["a", "b"], ["a", "b"]), ([1, 2, 3], [[1, 2, 3]]),
     ([[4, 5]], [[4, 5]]), ([[4], [5, 6]], [[4], [5, 6]]),
@@ -362,3 +376,57 @@ def test_tool_choice_none_shows_the_tools_unless_the_gateway_excludes_them() -> 
     assert [t["function"]["name"] for t in body.template_tools()] == ["f"]  # OpenAI's and vLLM's default
     assert body.template_tools(exclude_when_none=True) is None  # --exclude-tools-when-tool-choice-none
     assert chat(tools=[tool], tool_choice="auto").template_tools(exclude_when_none=True) is not None
+
+
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_a_forced_call_without_a_type_decodes_an_object() -> None:
+    """parameters with properties but no "type" (valid JSON Schema, and accepted as an object)
+    match any JSON value as sent: the decoded arguments could be `true` or a list."""
+    import jsonschema
+
+    untyped = _tool("e", {"properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    named = chat(tools=[untyped], tool_choice={"type": "function", "function": {"name": "e"}}).tool_call_schema()
+    required = chat(tools=[untyped], tool_choice="required").tool_call_schema()
+    for arguments in (True, [{}], ":"):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(arguments, named)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "e", "parameters": arguments}], required)
+    jsonschema.validate({"a": 1}, named)
+    jsonschema.validate([{"name": "e", "parameters": {"a": 1}}], required)
+
+
+def test_the_required_call_list_keeps_each_tools_own_pointers() -> None:
+    """Nested in the call list, each tool's local $refs still mean its own schema: "#" (a tree),
+    draft-07 "#/definitions/...", a "#/properties/..." pointer (zod's refs), and $defs of the same
+    name in two tools, each its own."""
+    import jsonschema
+
+    tree = _tool("tree", {"type": "object", "properties": {"label": {"type": "string"},
+                                                           "children": {"type": "array", "items": {"$ref": "#"}}},
+                          "required": ["label"]})
+    draft7 = _tool("unit", {"type": "object", "definitions": {"U": {"type": "string", "enum": ["c", "f"]}},
+                            "properties": {"u": {"$ref": "#/definitions/U"}}, "required": ["u"]})
+    zod = _tool("route", {"type": "object", "properties": {"from": {"type": "string"},
+                                                          "to": {"$ref": "#/properties/from"}}, "required": ["to"]})
+    ints = _tool("count", {"type": "object", "$defs": {"U": {"type": "integer"}},
+                           "properties": {"u": {"$ref": "#/$defs/U"}}, "required": ["u"],
+                           "enum_holder": {"const": {"$ref": "#"}}})
+    strs = _tool("word", {"type": "object", "$defs": {"U": {"type": "string"}},
+                          "properties": {"u": {"$ref": "#/$defs/U"}}, "required": ["u"]})
+    schema = chat(tools=[tree, draft7, zod, ints, strs], tool_choice="required").tool_call_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    good = [{"name": "tree", "parameters": {"label": "a", "children": [{"label": "b", "children": []}]}},
+            {"name": "unit", "parameters": {"u": "c"}}, {"name": "route", "parameters": {"to": "x"}},
+            {"name": "count", "parameters": {"u": 3}}, {"name": "word", "parameters": {"u": "three"}}]
+    jsonschema.validate(good, schema)
+    for bad in ({"name": "tree", "parameters": {"label": "a", "children": [{"children": []}]}},
+                {"name": "unit", "parameters": {"u": "k"}}, {"name": "route", "parameters": {"to": 1}},
+                {"name": "count", "parameters": {"u": "3"}}, {"name": "word", "parameters": {"u": 3}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([bad], schema)
+    # Data is left as sent: a "$ref" inside a const is a value, not a pointer.
+    assert schema["$defs"]["tokenwire_tool_3"]["enum_holder"] == {"const": {"$ref": "#"}}

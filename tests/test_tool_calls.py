@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
@@ -147,10 +148,35 @@ def test_required_calls_resolve_defs_across_tools(url: str) -> None:
     for call in choice["message"]["tool_calls"]:
         arguments = json.loads(call["function"]["arguments"])
         assert arguments["u"] in ("c", "f") if call["function"]["name"] == "unit" else 0 <= arguments["a"] <= 9
-    clash = {"type": "function", "function": {"name": "other", "parameters": {
-        "type": "object", "$defs": {"Unit": {"type": "integer"}}, "properties": {"u": {"$ref": "#/$defs/Unit"}}}}}
-    refused = chat(url, tools=[UNIT, clash], tool_choice="required")
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+    # Each tool's pointers mean its own schema in the list: the same $defs name in two tools, draft-07
+    # "definitions", "#" (a tree), a "#/properties/..." pointer. The model worker's grammar takes them all.
+    same_name = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "$defs": {"Unit": {"type": "integer"}}, "properties": {"u": {"$ref": "#/$defs/Unit"}},
+        "required": ["u"]}}}
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "definitions": {"L": {"type": "string", "maxLength": 3}},
+        "properties": {"label": {"$ref": "#/definitions/L"}, "again": {"$ref": "#/properties/label"},
+                       "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}},
+        "required": ["label"], "additionalProperties": False}}}
+    tools = [UNIT, same_name, tree]
+    called = set()
+    for seed in range(6):
+        answer = chat(url, tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=80,
+                      temperature=1.0, seed=seed)
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        if choice["finish_reason"] != "tool_calls":
+            continue  # cut by max_tokens
+        [call] = choice["message"]["tool_calls"]
+        schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call["function"]["name"])
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+        called.add(call["function"]["name"])
+    assert len(called) >= 2, called  # whole calls, of more than one tool
+    for defs in (["x"], "x", 5):  # not an object (the "required" list's gathering of them was a 500)
+        odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "object", "$defs": defs}}}
+        for choice in ("required", {"type": "function", "function": {"name": "odd"}}):
+            answer = chat(url, tools=[odd], tool_choice=choice)
+            assert answer.status_code == 200, (defs, choice, answer.text)  # the grammar ignores them
     not_an_object = {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}
     refused = chat(url, tools=[not_an_object], tool_choice="required")
     assert refused.status_code == 400 and refused.json()["error"]["param"].startswith("tools")
