@@ -140,6 +140,15 @@ async def drain(servicer: ModelWorkerServicer) -> None:
     servicer.begin_drain()
 
 
+async def watch_engine(loop: EngineLoop, health, poll_s: float = 1.0) -> None:
+    """Health NOT_SERVING for good once the engine cannot serve (EngineLoop.healthy): the
+    gateway stops sending here, and an orchestrator's probe restarts the process."""
+    while loop.healthy:
+        await asyncio.sleep(poll_s)
+    logger.error("the engine cannot serve (its steps keep failing, or its thread ended): health NOT_SERVING")
+    await grpc_server.mark_not_serving(health, [SERVICE_NAME])
+
+
 async def serve(config: Config) -> None:
     # Built on the thread that will run its steps, so torch has one OpenMP team (see new_engine_thread).
     engine_thread = new_engine_thread()
@@ -169,9 +178,13 @@ async def serve(config: Config) -> None:
         model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(servicer, server)
         health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
         await grpc_server.mark_serving(health, [SERVICE_NAME])
-        await grpc_server.serve_until_signal(
-            server, config.address, config.drain_grace_s, config.tls, health,
-            drained=lambda: drain(servicer))
+        watcher = asyncio.create_task(watch_engine(loop, health))
+        try:
+            await grpc_server.serve_until_signal(
+                server, config.address, config.drain_grace_s, config.tls, health,
+                drained=lambda: drain(servicer))
+        finally:
+            watcher.cancel()
     finally:
         await loop.stop()
 

@@ -371,7 +371,9 @@ class LLMEngine:
         samples released, best_of > n samples held back until the group ends."""
         routed: list[SequenceOutput] = []
         for seq, out in zip(seqs, outputs, strict=True):
-            group = self._group_of[seq.seq_id]
+            group = self._group_of.get(seq.seq_id)
+            if group is None:  # a sample of a request that failed earlier in this step
+                continue
             out.seq_id = group.request_id
             out.index = seq.sample_index
             out.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
@@ -381,6 +383,19 @@ class LLMEngine:
             if seq.is_finished:
                 self._release(seq)
                 group.ended.add(seq.sample_index)
+            if seq.finish_reason == FinishReason.ERROR:
+                # An error ends the whole request (the proto's rule, which the gateway acts on):
+                # its other samples stop here, their blocks freed, and the error is its last output.
+                for other in group.seqs:
+                    if other.seq_id in self._group_of:  # not released yet (this step's outputs included)
+                        if not other.is_finished:
+                            other.finish_reason = FinishReason.ABORT
+                        self._release(other)
+                        group.ended.add(other.sample_index)
+                del self.groups[group.request_id]
+                out.request_finished = True
+                routed.append(out)
+                continue
             if group.streams:
                 routed.append(out)
             else:

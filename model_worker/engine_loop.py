@@ -107,6 +107,9 @@ _Delivery = tuple["StreamOutbox | None", object, "tuple[str, int] | None"]
 
 
 ENGINE_THREAD_NAME = "engine-step"
+# Passes failed in a row (each failing every request it had) after which the worker reports
+# itself NOT_SERVING (EngineLoop.healthy): one bad request is gone after its one failure.
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 def name_os_thread(name: str) -> None:
@@ -218,6 +221,17 @@ class EngineLoop:
         self._handover: OutputHandover | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread_done: asyncio.Future | None = None
+        self._failed_steps_in_a_row = 0  # engine thread writes, anyone reads
+
+    @property
+    def healthy(self) -> bool:
+        """False once MAX_FAILED_STEPS_IN_A_ROW passes in a row failed (each failing all its
+        requests: a device lost, not one bad request, which its failure removes) or the engine
+        thread ended before stop(): the worker can serve nothing, and says so (health NOT_SERVING),
+        so that the gateway sends elsewhere and an orchestrator restarts it."""
+        if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+            return False
+        return self._thread_done is None or not self._thread_done.done() or self._stopping
 
     def start(self) -> None:
         self._event_loop = asyncio.get_running_loop()
@@ -431,15 +445,24 @@ class EngineLoop:
             outbox, request_id = owner
             self._release(seq_id)
             self._interval_of.pop(seq_id, None)
-            beam_request = self._beam_requests.pop(seq_id, None)
-            if beam_request is not None:
-                for round_seq_id in beam_request.in_flight:
-                    self._beam_of_round.pop(round_seq_id, None)
-                outputs = beam_request.abort()
-            else:
-                outputs = self.engine.abort_request(seq_id)
+            outputs: list[SequenceOutput] | None = None
+            try:
+                beam_request = self._beam_requests.pop(seq_id, None)
+                if beam_request is not None:
+                    for round_seq_id in beam_request.in_flight:
+                        self._beam_of_round.pop(round_seq_id, None)
+                    outputs = beam_request.abort()
+                else:
+                    outputs = self.engine.abort_request(seq_id)
+            except Exception:  # a bug: this request still gets its last item, and the others go on
+                logger.exception("aborting request %s failed", request_id)
             if failure is not None:
                 self._emit(outbox, failure, (request_id, seq_id))
+                continue
+            if outputs is None:
+                self._emit(outbox, RequestFailure(request_id, grpc.StatusCode.INTERNAL,
+                                                  "aborting the request failed; see the model worker's log"),
+                           (request_id, seq_id))
                 continue
             for out in outputs:
                 self._emit(outbox, (request_id, out), (request_id, seq_id))
@@ -526,10 +549,13 @@ class EngineLoop:
                     outputs = self.engine.step()
                     self._passes += 1
                     self._route(outputs)
+                    self._failed_steps_in_a_row = 0
                     if self._held:
                         self._release_due()
             except Exception:
-                logger.exception("engine step failed; failing its requests")
+                self._failed_steps_in_a_row += 1
+                logger.exception("engine step failed (%d in a row); failing its requests",
+                                 self._failed_steps_in_a_row)
                 try:
                     self._fail_all("engine step failed; see the model worker's log")
                 except Exception:  # the thread must live on: a dead one hangs every later request

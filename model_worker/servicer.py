@@ -103,8 +103,8 @@ class _SequenceFrameBuilder:
                 self.logprobs.append(out.logprob)
                 self.top_ids.extend(out.top_token_ids)
                 self.top_lps.extend(out.top_logprobs)
-            if out.cumulative_logprob is not None:
-                self.cumulative = out.cumulative_logprob
+        if out.cumulative_logprob is not None:  # an ABORT output carries the sum so far, with no token
+            self.cumulative = out.cumulative_logprob
         if out.prompt_logprobs is not None:
             self.prompt = out.prompt_logprobs
         self.last = out

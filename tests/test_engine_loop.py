@@ -36,6 +36,8 @@ class ScriptedEngine:
         self.live: dict[int, list[int]] = {}  # seq_id -> [tokens left, tokens made]
         self.steps = 0
         self.fail_next_step = False
+        self.fail_every_step = False
+        self.fail_next_abort = False
         self.threads: set[str] = set()
 
     def _on_thread(self) -> None:
@@ -52,6 +54,9 @@ class ScriptedEngine:
 
     def abort_request(self, seq_id):
         self._on_thread()
+        if self.fail_next_abort:
+            self.fail_next_abort = False
+            raise RuntimeError("scripted abort failure")
         if self.live.pop(seq_id, None) is None:
             return []
         return [SequenceOutput(seq_id, None, finish_reason=FinishReason.ABORT, request_finished=True)]
@@ -66,7 +71,7 @@ class ScriptedEngine:
     def step(self) -> list[SequenceOutput]:
         self._on_thread()
         self.steps += 1
-        if self.fail_next_step:
+        if self.fail_next_step or self.fail_every_step:
             self.fail_next_step = False
             raise RuntimeError("scripted step failure")
         if self.step_s:
@@ -210,6 +215,60 @@ async def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(started):
     loop.add(outbox, new_request("after", 2))
     after = await collect(outbox, {"after"})
     assert after["after"][-1].finish_reason == FinishReason.LENGTH
+
+
+async def test_an_abort_that_fails_with_a_bug_ends_that_request_only(started):
+    # It still gets its last item (the stream would wait for it for ever), and the request beside
+    # it is not failed with it (every request of the worker was).
+    engine = ScriptedEngine(step_s=0.001)
+    loop = started(engine)
+    outbox = StreamOutbox()
+    loop.add(outbox, new_request("aborted", 10_000))
+    loop.add(outbox, new_request("beside", 30))
+    await collect_first(outbox)
+    engine.fail_next_abort = True
+    loop.abort(outbox, "aborted")
+    items = await collect(outbox, {"aborted", "beside"})
+    assert isinstance(items["aborted"][-1], RequestFailure) and items["aborted"][-1].code == grpc.StatusCode.INTERNAL
+    assert items["beside"][-1].finish_reason == FinishReason.LENGTH
+    assert not outbox.live and outbox.unanswered == 0
+    assert loop.healthy
+
+
+async def test_steps_that_keep_failing_make_the_loop_unhealthy(started):
+    engine = ScriptedEngine()
+    loop = started(engine)
+    outbox = StreamOutbox()
+    engine.fail_next_step = True
+    loop.add(outbox, new_request("one", 5))
+    await collect(outbox, {"one"})
+    assert loop.healthy  # one failure: that step's requests end, the worker serves on
+    engine.fail_every_step = True
+    for i in range(engine_loop.MAX_FAILED_STEPS_IN_A_ROW):
+        loop.add(outbox, new_request(f"r{i}", 5))
+        [failure] = (await collect(outbox, {f"r{i}"}))[f"r{i}"]
+        assert failure.code == grpc.StatusCode.INTERNAL
+    assert not loop.healthy
+
+
+async def test_the_model_worker_says_not_serving_once_its_engine_cannot_serve():
+    from grpc_health.v1 import health, health_pb2
+
+    from model_worker.__main__ import watch_engine
+
+    class Loop:
+        healthy = True
+
+    servicer = health.aio.HealthServicer()
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    fake = Loop()
+    watcher = asyncio.create_task(watch_engine(fake, servicer, poll_s=0.01))
+    await asyncio.sleep(0.05)
+    request = health_pb2.HealthCheckRequest(service="")
+    assert (await servicer.Check(request, None)).status == health_pb2.HealthCheckResponse.SERVING
+    fake.healthy = False
+    await asyncio.wait_for(watcher, 5)
+    assert (await servicer.Check(request, None)).status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 async def test_steps_do_not_wait_for_the_event_loop(started):

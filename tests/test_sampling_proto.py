@@ -7,7 +7,7 @@ import math
 
 from model_worker.engine import SequenceOutput
 from model_worker.sampling.prompt_logprobs import PromptLogprobs
-from model_worker.sequence import LogprobsMode, SamplerOrder
+from model_worker.sequence import FinishReason, LogprobsMode, SamplerOrder
 from model_worker.servicer import build_frame, sampling_from_proto
 from tokenwire.packing import unpack_float32, unpack_int32_list
 from tokenwire.v1 import common_pb2
@@ -66,3 +66,7 @@ def test_cumulative_and_prompt_logprobs_are_packed():
     assert unpack_int32_list(seq.prompt_ranks) == [0, 4, 1]
     later = build_frame([("r", second)]).sequences[0]
     assert later.prompt_logprobs == b"" and later.num_prompt_top_logprobs == 0
+    # An abort's last frame, with no token of its own, still says the sum so far.
+    aborted = SequenceOutput(seq_id=0, token_id=None, finish_reason=FinishReason.ABORT, cumulative_logprob=-204.5,
+                             num_prompt_tokens=3, num_output_tokens=21)
+    assert build_frame([("r", aborted)]).sequences[0].cumulative_logprob == -204.5

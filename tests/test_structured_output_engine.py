@@ -232,3 +232,31 @@ async def test_engine_loop_compiles_off_the_step_and_refuses_bad_constraints(run
         assert not outbox.live
     finally:
         await loop.stop()
+
+
+@pytest.mark.parametrize("best_of", [4, 6], ids=["n", "best_of"])
+def test_an_error_ends_every_sample_of_its_request(runner, compiler, smollm2, best_of):
+    """One sample's grammar dead end (FINISH_REASON_ERROR) ends the whole request, as the proto
+    says and the gateway takes it: the error is the request's last output, and its other samples
+    stop there (they went on to max_tokens, holding their seats and blocks, for nobody)."""
+    a, b, c = (smollm2.token_to_id(ch) for ch in "abc")  # "d" is not allowed: "c" is a dead end
+    grammar_of = lambda: compiler.compile(Constraint("regex", "(ab{1,150}|cd)"))  # noqa: E731
+    errors = 0
+    for seed in range(4):
+        engine = new_engine(runner)
+        engine.add_request(1, PROMPT, SamplingParams(temperature=1.0, seed=seed, allowed_token_ids=(a, b, c)), 100,
+                           [], False, n=4, best_of=best_of, grammar=grammar_of())
+        engine.add_request(2, PROMPT, SamplingParams(temperature=1.0, seed=seed), 30, [], True)
+        outputs = []
+        while engine.has_work():
+            outputs += engine.step()
+        mine = [o for o in outputs if o.seq_id == 1]
+        assert sum(o.request_finished for o in mine) == 1 and mine[-1].request_finished
+        other = [o for o in outputs if o.seq_id == 2]
+        assert len(other) == 30 and other[-1].finish_reason == FinishReason.LENGTH
+        assert engine.block_manager.num_used_blocks == 0 and not engine.groups
+        if mine[-1].finish_reason == FinishReason.ERROR:
+            errors += 1
+            assert mine[-1].error and len(mine) < 4 * 100  # the others did not run on to max_tokens
+            assert all(o.finish_reason != FinishReason.ERROR for o in mine[:-1])
+    assert errors >= 2  # most seeds draw a "c" in one of the samples

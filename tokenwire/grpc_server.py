@@ -120,6 +120,11 @@ async def mark_serving(health_servicer: health.aio.HealthServicer, full_service_
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
+async def mark_not_serving(health_servicer: health.aio.HealthServicer, full_service_names: Iterable[str]) -> None:
+    for name in ["", *full_service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 # After a drain, how long calls get to end on their own before the server cancels them.
 FLUSH_S = 0.5
 
