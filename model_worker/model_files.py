@@ -91,14 +91,42 @@ def _gguf_cache_key(gguf: Path, cache_dir: Path) -> str:
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Returns a directory with config.json, model.safetensors and tokenizer files for gguf,
-    converting it on the first call (transformers shows a progress bar while it does)."""
+    converting it on the first call (transformers shows a progress bar while it does). Processes
+    starting at once (replicas on one volume) take turns on a lock file: one converts, the others
+    find its result; a conversion killed half way leaves a scratch dir that the next one removes."""
     target = cache_dir / f"{gguf.stem}-{_gguf_cache_key(gguf, cache_dir)}"
-    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+    if _is_converted(target):
         return target
+    import fcntl
+    import shutil
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if _is_converted(target):  # another process converted it while this one waited
+            return target
+        scratch_prefix = f".converting-{target.name}-"
+        for stale in cache_dir.glob(scratch_prefix + "*"):  # a killed conversion's: no one else's, under the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        # Written into a scratch dir and renamed, so a crash never leaves a half cache behind.
+        scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix, dir=cache_dir))
+        try:
+            _convert_into(gguf, scratch)
+            os.replace(scratch, target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _is_converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "tokenizer.json").is_file()
+
+
+def _convert_into(gguf: Path, scratch: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"tokenwire: converting {gguf.name} once into {target} (later starts read the cache)",
+    print(f"tokenwire: converting {gguf.name} once into {scratch.parent} (later starts read the cache)",
           file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -107,18 +135,13 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # Write into a scratch dir and rename, so a crash never leaves a half cache behind.
-    scratch = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache_dir))
     model.save_pretrained(scratch)
     tokenizer.save_pretrained(scratch)
-    (scratch / "tokenwire_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
-    try:
-        os.replace(scratch, target)
-    except OSError:  # another process finished first; theirs is as good as ours
-        if not (target / "config.json").is_file():
-            raise
-    return target
+    # The file's quantization types go with the conversion: the cache is keyed by the file's
+    # content, so another checkout's copy of it reuses this dir after this one's file is gone.
+    layer_types, lm_head_type = split_gguf_weight_types(read_gguf_tensor_types(gguf))
+    (scratch / "tokenwire_source.json").write_text(json.dumps(
+        {"gguf": str(gguf.resolve()), "layer_types": sorted(layer_types), "lm_head_type": lm_head_type}))
 
 
 def resolve_model_dir(model: str, cache_dir: Path) -> Path:
@@ -151,18 +174,25 @@ _GGUF_MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
 def gguf_weight_types(model_dir: Path) -> tuple[frozenset[str], str]:
     """The quantization types in the GGUF file model_dir was converted from: the decoder layers'
     matmul weights' (e.g. {"Q4_1"}) and the lm_head's (output.weight, else the tied token_embd:
-    e.g. "Q8_0"); empty for a model not from a GGUF, or whose file is gone or unreadable (a
-    cached conversion outlives its source). Read once per process: start-up asks twice."""
+    e.g. "Q8_0"); empty for a model not from a GGUF. Recorded at conversion; a conversion from
+    before that reads them from its source file, if it is still there. Read once per process."""
+    source_json = model_dir / "tokenwire_source.json"
     try:
-        source = Path(json.loads((model_dir / "tokenwire_source.json").read_text())["gguf"])
-        from gguf import GGUFReader
-
-        types = {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(str(source)).tensors}
+        source = json.loads(source_json.read_text())
+        if "layer_types" in source:
+            return frozenset(source["layer_types"]), source["lm_head_type"]
+        return split_gguf_weight_types(read_gguf_tensor_types(Path(source["gguf"])))
     except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
-        if (model_dir / "tokenwire_source.json").exists():
+        if source_json.exists():
             logger.warning("could not read the quantization types of %s's GGUF: %s", model_dir, exc)
         return frozenset(), ""
-    return split_gguf_weight_types(types)
+
+
+def read_gguf_tensor_types(gguf: Path) -> dict[str, str]:
+    """{tensor name: its GGML type's name} of a GGUF file."""
+    from gguf import GGUFReader
+
+    return {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(str(gguf)).tensors}
 
 
 def split_gguf_weight_types(types: dict[str, str]) -> tuple[frozenset[str], str]:
