@@ -17,7 +17,7 @@ from model_worker.engine import LLMEngine, default_eos_ids
 from model_worker.engine_loop import EngineLoop, new_engine_thread
 from model_worker.host_memory import keep_freed_memory_in_heap
 from model_worker.kernels import GGUF_LINEAR_FLAGS, cpu_flags
-from model_worker.model_files import gguf_weight_types, model_id_for, resolve_model_dir
+from model_worker.model_files import ModelNotFoundError, gguf_weight_types, model_id_for, resolve_model_dir
 from model_worker.model_runner import ModelRunner, model_shape, resolve_device, resolve_dtype
 from model_worker.models.hf_fallback import HFShape
 from model_worker.models.linear import GGUF_FORMAT_MAX_TOKENS, Linear
@@ -47,6 +47,40 @@ def chat_template_of(model_dir: Path) -> str:
         return jinja.read_text()
     template = _read_json(model_dir / "tokenizer_config.json").get("chat_template") or ""
     return template if isinstance(template, str) else ""
+
+
+# Where config.json gives a model's trained context, in the spellings of the families (vLLM's list).
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
+def model_context_len(hf_config: dict) -> int:
+    """The longest context the model was built for, as vLLM derives it: the smallest of the keys
+    config.json (or its text_config) sets, times the factor of a linear, dynamic or yarn rope
+    scaling (yarn's over its original length); 2048 where none is set."""
+    sources = [hf_config, hf_config.get("text_config") or {}]
+    lengths = [c[k] for c in sources for k in _CONTEXT_KEYS if isinstance(c.get(k), int) and c[k] > 0]
+    context = min(lengths) if lengths else 2048
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") if isinstance(rope, dict) else None
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if rope_type in ("linear", "dynamic", "yarn") and isinstance(factor, (int, float)) and factor > 1:
+        if rope_type == "yarn":
+            context = rope.get("original_max_position_embeddings") or hf_config.get(
+                "original_max_position_embeddings") or context
+        context = int(context * factor)
+    return context
+
+
+def tokenizer_eos_id(model_dir: Path) -> int | None:
+    """The id of tokenizer_config.json's eos_token in tokenizer.json, if both say one."""
+    eos = _read_json(model_dir / "tokenizer_config.json").get("eos_token")
+    if isinstance(eos, dict):  # an AddedToken written out: {"content": "</s>", ...}
+        eos = eos.get("content")
+    if not isinstance(eos, str) or not (model_dir / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(eos)
 
 
 def build_model_info(config: Config, model_dir: Path, hf_config: dict, runner: ModelRunner,
@@ -114,7 +148,12 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
     hf_config = _read_json(model_dir / "config.json")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    context = hf_config.get("max_position_embeddings") or hf_config.get("n_positions") or 2048  # GPT-2: n_positions
+    context = model_context_len(hf_config)
+    if config.max_model_len > context:
+        # Past its positions a model with learned ones fails the step that gets there, and rotary
+        # ones run on untrained angles; vLLM refuses it too.
+        raise ValueError(f"--max-model-len {config.max_model_len} is beyond the model's context of {context} "
+                         "tokens (config.json's max_position_embeddings, or n_positions, with its rope scaling)")
     max_model_len = config.max_model_len or min(context, 2048)
     runner = ModelRunner(model_dir, config.load_format, device, dtype, config.max_num_seqs, max_model_len,
                          config.block_size, config.kv_cache_tokens, config.kv_cache_memory_bytes,
@@ -125,7 +164,7 @@ def build_engine(config: Config) -> tuple[LLMEngine, Path, dict, list[int]]:
                          *gguf_small_steps(config, model_dir, hf_config, device, dtype),
                          cuda_kernels=config.cuda_kernels)
     warn_if_gguf_blocks_rounded(runner, model_dir)
-    eos_ids = default_eos_ids(_read_json(model_dir / "generation_config.json"), hf_config)
+    eos_ids = default_eos_ids(_read_json(model_dir / "generation_config.json"), hf_config, tokenizer_eos_id(model_dir))
     engine = LLMEngine(runner, eos_ids, config.max_num_seqs, config.max_num_batched_tokens,
                        config.max_waiting_requests, config.seed, config.enable_prefix_caching, config.max_best_of,
                        num_token_ids(model_dir))
@@ -149,7 +188,17 @@ async def watch_engine(loop: EngineLoop, health, poll_s: float = 1.0) -> None:
     await grpc_server.mark_not_serving(health, [SERVICE_NAME])
 
 
+def check_served_model_files(model: str) -> None:
+    """A model dir the stack can serve has tokenizer.json (the gateway and the detok workers read
+    it, and ModelInfo names it): said before the weights load, not after."""
+    path = Path(model).expanduser()
+    if path.is_dir() and not (path / "tokenizer.json").is_file():
+        raise ModelNotFoundError(f"--model {model}: no tokenizer.json there (the tokenizers library's file, which "
+                                 "transformers' save_pretrained writes); the gateway and detok workers need it")
+
+
 async def serve(config: Config) -> None:
+    check_served_model_files(config.model)
     # Built on the thread that will run its steps, so torch has one OpenMP team (see new_engine_thread).
     engine_thread = new_engine_thread()
     engine, model_dir, hf_config, eos_ids = await asyncio.get_running_loop().run_in_executor(

@@ -479,11 +479,15 @@ class LLMEngine:
         return outputs
 
 
-def default_eos_ids(generation_config: dict, config: dict) -> list[int]:
+def default_eos_ids(generation_config: dict, config: dict, tokenizer_eos_id: int | None = None) -> list[int]:
+    """The ids that end an output: generation_config.json's (else config.json's), and the
+    tokenizer's own eos token, as vLLM stops on both (a ChatML fine-tune's config may still name
+    <|endoftext|> where its turns end with <|im_end|>, the tokenizer's eos)."""
     eos = generation_config.get("eos_token_id", config.get("eos_token_id"))
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer_eos_id is not None and tokenizer_eos_id not in ids:
+        ids.append(tokenizer_eos_id)
+    return ids
 
 
 

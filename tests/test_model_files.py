@@ -77,3 +77,24 @@ def test_quantization_types_outlive_the_file_converted(tmp_path, fake_conversion
     gguf.unlink()
     model_files.gguf_weight_types.cache_clear()
     assert model_files.gguf_weight_types(target) == ({"Q4_1"}, "Q8_0")
+
+
+def test_the_tokenizers_eos_ends_outputs_too(tiny_model_dir, tmp_path):
+    """As vLLM: generation_config's ids and the tokenizer's eos token (a ChatML fine-tune whose
+    config still names <|endoftext|> ends its turns with <|im_end|>, the tokenizer's)."""
+    import shutil
+
+    from model_worker.__main__ import tokenizer_eos_id
+    from model_worker.engine import default_eos_ids
+
+    assert tokenizer_eos_id(tiny_model_dir) == 2  # SmolLM2's <|im_end|>
+    assert default_eos_ids({"eos_token_id": 0}, {}, 2) == [0, 2]
+    assert default_eos_ids({"eos_token_id": [2, 0]}, {}, 2) == [2, 0]
+    assert default_eos_ids({}, {}, 2) == [2]  # no eos in either config: the tokenizer's still stops
+    assert default_eos_ids({}, {"eos_token_id": 0}, None) == [0]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny_model_dir / "tokenizer.json", bare)
+    assert tokenizer_eos_id(bare) is None  # no tokenizer_config.json
+    (bare / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    assert tokenizer_eos_id(bare) == 0

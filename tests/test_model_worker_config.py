@@ -15,3 +15,43 @@ def test_a_step_budget_below_the_running_sequences_is_refused():
         Config(max_num_batched_tokens=16)
     assert parse_config(Config, ["--max-num-batched-tokens", "32"], env_prefix="TOKENWIRE_TEST_MWC_") \
         .max_num_batched_tokens == 32
+
+
+@pytest.mark.parametrize(("config", "context"), [
+    ({"max_position_embeddings": 1024}, 1024),
+    ({"n_positions": 64}, 64),  # GPT-2
+    ({"max_position_embeddings": 4096, "seq_length": 2048}, 2048),  # the smallest, as vLLM
+    ({"text_config": {"max_position_embeddings": 512}}, 512),
+    ({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 4.0}}, 16384),
+    ({"max_position_embeddings": 32768, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 32768}}, 131072),
+    ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131072),
+    ({}, 2048),
+])
+def test_the_models_context_is_read_as_vllm_reads_it(config, context):
+    from model_worker.__main__ import model_context_len
+
+    assert model_context_len(config) == context
+
+
+def test_a_max_model_len_past_the_models_positions_is_refused(tiny_model_dir):
+    # An OPT-like model's learned positions ran out inside a step (IndexError), failing every
+    # request of it; rotary models ran on angles they were never trained on.
+    from model_worker.__main__ import build_engine
+
+    with pytest.raises(ValueError, match="--max-model-len 2048 is beyond the model's context of 1024 tokens"):
+        build_engine(Config(model=str(tiny_model_dir), load_format="dummy", max_model_len=2048,
+                            keep_freed_host_memory=False))
+
+
+def test_a_model_dir_without_a_tokenizer_is_refused_before_loading(tiny_model_dir, tmp_path):
+    import shutil
+
+    from model_worker.__main__ import check_served_model_files
+    from model_worker.model_files import ModelNotFoundError
+
+    check_served_model_files(str(tiny_model_dir))
+    check_served_model_files("default")
+    shutil.copy(tiny_model_dir / "config.json", tmp_path)
+    with pytest.raises(ModelNotFoundError, match="no tokenizer.json"):
+        check_served_model_files(str(tmp_path))
