@@ -200,7 +200,10 @@ def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
         tokenizer = tokenizer_of(pipeline)
         echoes = []
         for prompt in body.prompts():
-            ids = await tokenizer.encode_text_async(prompt) if isinstance(prompt, str) else prompt
+            if isinstance(prompt, str):
+                ids = await tokenizer.encode_text_async(prompt, body.add_special_tokens)
+            else:
+                ids = prompt
             check_token_ids(ids, pipeline.model_info.vocab_size)
             kept = truncate_prompt(ids, body.truncate_prompt_tokens, pipeline.model_info.max_model_len,
                                    body.completion_token_limit())

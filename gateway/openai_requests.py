@@ -540,6 +540,9 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    # vLLM's: false for a text prompt that already holds them (a chat template rendered by the
+    # client), where the tokenizer would add a second BOS.
+    add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _check_completion_fields(self) -> CompletionRequest:
