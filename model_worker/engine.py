@@ -151,6 +151,12 @@ class LLMEngine:
         problem = validate_sampling_params(sampling, vocab, max_tokens)
         if problem is not None:
             raise RequestRejected(invalid, *problem)
+        if (self._padding_from is not None and sampling.allowed_token_ids
+                and min(sampling.allowed_token_ids) >= self._padding_from):
+            # The vocabulary's padding rows are -inf (step()): nothing would be left to draw.
+            raise RequestRejected(invalid, f"allowed_token_ids are all padding ids, past the tokenizer's "
+                                           f"{self._padding_from} tokens: no token is left to sample",
+                                  "sampling.allowed_token_ids")
         return max_tokens
 
     def add_request(self, seq_id: int, prompt_token_ids: list[int], sampling: SamplingParams, max_tokens: int,

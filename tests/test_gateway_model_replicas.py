@@ -182,7 +182,10 @@ def model_info(tokenizer_dir: Path, **changes) -> model_worker_pb2.ModelInfo:
     info = model_worker_pb2.ModelInfo(model_id="fake", vocab_size=49152, max_model_len=4096,
                                       tokenizer=tokenizer_identity(tokenizer_dir), eos_token_ids=[2])
     for name, value in changes.items():
-        setattr(info, name, value)
+        if isinstance(value, list):
+            getattr(info, name)[:] = value
+        else:
+            setattr(info, name, value)
     return info
 
 
@@ -365,6 +368,17 @@ async def test_a_replica_serving_another_model_is_refused(tiny_model_dir: Path,
         assert ready.status_code == 200 and ready.json()["model"] == "fake"
         (down,) = ready.json()["down"]
         assert b.address in down and "different model" in down
+
+
+def test_replicas_that_stop_outputs_at_other_ids_do_not_share_requests(tiny_model_dir: Path) -> None:
+    from gateway.model_worker_client import model_mismatch
+
+    same = model_info(tiny_model_dir)
+    assert model_mismatch(same, model_info(tiny_model_dir)) == ""
+    assert model_mismatch(model_info(tiny_model_dir, eos_token_ids=[2, 0]),
+                          model_info(tiny_model_dir, eos_token_ids=[0, 2])) == ""  # a set
+    assert model_mismatch(same, model_info(tiny_model_dir, eos_token_ids=[0, 2, 5])) == \
+        "eos_token_ids [0, 2, 5] (expected [2])"
 
 
 async def test_a_full_replica_hands_its_request_to_one_with_room_and_429_only_when_all_are_full(

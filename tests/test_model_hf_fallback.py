@@ -151,3 +151,19 @@ def test_architecture_transformers_cannot_build_is_refused(tmp_path):
         "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}))
     with pytest.raises(ValueError, match="NoSuchForCausalLM"):
         ModelRunner(tmp_path, "dummy", CPU, torch.float32, max_num_seqs=2, max_model_len=64)
+
+
+@pytest.mark.parametrize(("config", "num_kv_heads"), [
+    ({"num_attention_heads": 8, "num_key_value_heads": 2}, 2),
+    ({"n_head": 71, "multi_query": True}, 1),  # falcon-7b: one KV head
+    ({"num_attention_heads": 128, "num_kv_heads": 8, "multi_query": True}, 8),  # falcon-40b's new decoder
+    ({"n_head": 16, "n_head_kv": 4}, 4),
+    ({"n_head": 12, "multi_query": True}, 1),  # GPTBigCode
+    ({"num_attention_heads": 12}, 12),
+])
+def test_the_kv_budget_counts_the_kv_heads_each_family_spells(config, num_kv_heads):
+    from model_worker.models.hf_fallback import HFShape
+
+    shape = HFShape.from_config({"architectures": ["X"], "vocab_size": 10, "hidden_size": 1536, "num_hidden_layers": 2,
+                                 **config})
+    assert shape.num_kv_heads == num_kv_heads

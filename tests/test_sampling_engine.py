@@ -160,6 +160,13 @@ def test_ids_past_the_tokenizer_are_never_picked(runner, tiny_model_dir):
             if out.prompt_logprobs is not None:
                 seen.update(t for t in out.prompt_logprobs.top_token_ids if t >= 0)
     assert len(seen) > 20 and max(seen) < 300, sorted(seen)[-5:]
+    # allowed_token_ids of padding ids alone leave nothing to draw (token 0 came, allowed or not).
+    with pytest.raises(RequestRejected, match="all padding ids") as refused:
+        engine.add_request(9, [5, 6, 7], SamplingParams(allowed_token_ids=(300, 400)), 4, [], True)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and refused.value.field == "sampling.allowed_token_ids"
+    engine.add_request(10, [5, 6, 7], SamplingParams(allowed_token_ids=(299, 400)), 4, [], True)  # one is a token
+    tokens = [out.token_id for out in engine.step()]
+    assert tokens == [299]
 
 
 def test_a_bad_request_is_refused_as_bad_even_when_the_queue_is_full(runner):

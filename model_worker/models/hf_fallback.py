@@ -54,7 +54,10 @@ class HFShape:
         return cls(
             vocab_size=text["vocab_size"],
             num_layers=num_layers,
-            num_kv_heads=text.get("num_key_value_heads") or num_heads,
+            # Falcon spells its KV heads num_kv_heads (n_head_kv in old configs), or has one with
+            # multi_query (GPTBigCode too): counted as query heads they made the budget 8-71x too small.
+            num_kv_heads=(text.get("num_key_value_heads") or text.get("num_kv_heads") or text.get("n_head_kv")
+                          or (1 if text.get("multi_query") else num_heads)),
             head_dim=text.get("head_dim") or hidden // num_heads,
             architectures=list(config.get("architectures") or []),
         )
