@@ -163,6 +163,25 @@ def build_frame(items: list) -> pb.TokenFrame:
     return pb.TokenFrame(sequences=[b.build() for b in builders.values()] + failures)
 
 
+def new_request_from_proto(add: pb.AddRequest) -> NewRequest:
+    return NewRequest(
+        request_id=add.request_id,
+        prompt_token_ids=list(add.prompt_token_ids),
+        sampling=sampling_from_proto(add),
+        max_tokens=add.max_tokens,
+        stop_token_ids=list(add.stop_token_ids),
+        ignore_eos=add.ignore_eos,
+        n=add.n or 1,
+        best_of=add.best_of,
+        use_beam_search=add.use_beam_search,
+        length_penalty=add.length_penalty if add.HasField("length_penalty") else 1.0,
+        diversity_penalty=add.diversity_penalty,
+        constraint=constraint_from_proto(add.structured_output),
+        grammar_wait=grammar_wait_from_proto(add.structured_output),
+        stream_interval=add.stream_interval,
+    )
+
+
 class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
     def __init__(self, loop: EngineLoop, model_info: pb.ModelInfo) -> None:
         self.loop = loop
@@ -245,22 +264,15 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                             f"request_id {add.request_id!r} was added again while live on this stream; "
                             "that request is ended too"))
                     else:
-                        self.loop.add(outbox, NewRequest(
-                            request_id=add.request_id,
-                            prompt_token_ids=list(add.prompt_token_ids),
-                            sampling=sampling_from_proto(add),
-                            max_tokens=add.max_tokens,
-                            stop_token_ids=list(add.stop_token_ids),
-                            ignore_eos=add.ignore_eos,
-                            n=add.n or 1,
-                            best_of=add.best_of,
-                            use_beam_search=add.use_beam_search,
-                            length_penalty=add.length_penalty if add.HasField("length_penalty") else 1.0,
-                            diversity_penalty=add.diversity_penalty,
-                            constraint=constraint_from_proto(add.structured_output),
-                            grammar_wait=grammar_wait_from_proto(add.structured_output),
-                            stream_interval=add.stream_interval,
-                        ))
+                        try:
+                            request = new_request_from_proto(add)
+                        except Exception:  # a bug, not bad input (that is the engine's to refuse)
+                            logger.exception("reading request %s failed", add.request_id)
+                            outbox.queue.put_nowait(RequestFailure(
+                                add.request_id, grpc.StatusCode.INTERNAL,
+                                "reading the request failed; see the model worker's log"))
+                            continue
+                        self.loop.add(outbox, request)
                 for abort in frame.aborts:
                     if abort.indexes:
                         self.loop.abort_outputs(outbox, abort.request_id, set(abort.indexes))

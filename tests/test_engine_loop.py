@@ -450,6 +450,47 @@ def test_drain_ends_each_generate_call_once_its_requests_have():
     assert last.request_id == "r" and last.finish_reason == pb.FINISH_REASON_LENGTH and last.num_output_tokens == 5
 
 
+def test_an_add_the_servicer_cannot_read_ends_that_request_only(monkeypatch):
+    """A bug reading one add (sampling_from_proto raising) used to end the reading of the whole
+    stream: the frame's other adds, and every later add and abort, were never seen."""
+    from model_worker import servicer as servicer_module
+
+    real = servicer_module.sampling_from_proto
+
+    def sampling_from_proto(add):
+        if add.request_id == "unreadable":
+            raise RuntimeError("scripted read failure")
+        return real(add)
+
+    monkeypatch.setattr(servicer_module, "sampling_from_proto", sampling_from_proto)
+
+    async def scenario() -> dict[str, pb.SequenceTokens]:
+        loop = EngineLoop(ScriptedEngine(step_s=0.002))
+        loop.start()
+        servicer = ModelWorkerServicer(loop, pb.ModelInfo())
+
+        async def requests():
+            yield pb.RequestFrame(adds=[pb.AddRequest(request_id=i, prompt_token_ids=[1, 2], max_tokens=3)
+                                        for i in ("before", "unreadable", "beside")])
+            await asyncio.sleep(0.05)
+            yield pb.RequestFrame(adds=[pb.AddRequest(request_id="later", prompt_token_ids=[1, 2], max_tokens=3)])
+
+        last: dict[str, pb.SequenceTokens] = {}
+        try:
+            async for frame in servicer.Generate(requests(), None):
+                for seq in frame.sequences:
+                    if seq.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        last[seq.request_id] = seq
+        finally:
+            await loop.stop()
+        return last
+
+    last = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert last["unreadable"].finish_reason == pb.FINISH_REASON_ERROR
+    assert last["unreadable"].error.code == grpc.StatusCode.INTERNAL.value[0]
+    assert all(last[i].finish_reason == pb.FINISH_REASON_LENGTH for i in ("before", "beside", "later"))
+
+
 def test_a_drain_waits_for_a_quiet_time_not_an_idle_instant():
     """grpc_server.wait_quiet, both workers' drain: idle, then work again within the quiet time
     (a gateway that had not seen NOT_SERVING yet), then idle across a whole quiet time."""
