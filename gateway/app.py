@@ -166,7 +166,7 @@ def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
                                                        body.template_tools(config.exclude_tools_when_tool_choice_none))
         prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, pipeline.model_info.max_model_len,
                                      body.completion_token_limit())
-        params = generation_params(body, tokenizer.encode_words)
+        params = generation_params(body, tokenizer.encode_words, pipeline.model_info.generation_defaults)
         check_params_vocab(params, pipeline.model_info.vocab_size)
         model = body.model or request.app.state.served_model_name
         reasoning_parser = config.reasoning_parser or None
@@ -212,7 +212,7 @@ def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
             text = prompt if isinstance(prompt, str) and kept is ids else tokenizer.decode(kept) if body.echo else ""
             ids = kept
             echoes.append(PromptEcho(text, ids))
-        params = generation_params(body, tokenizer.encode_words)
+        params = generation_params(body, tokenizer.encode_words, pipeline.model_info.generation_defaults)
         check_params_vocab(params, pipeline.model_info.vocab_size)
         await _check_batch_fits(pipeline, len(echoes), body.n)
         model = body.model or request.app.state.served_model_name

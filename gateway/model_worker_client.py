@@ -43,10 +43,18 @@ def model_mismatch(expected: model_worker_pb2.ModelInfo, actual: model_worker_pb
     if not same_tokenizer:
         differences.append(f"tokenizer {actual.tokenizer.path!r} sha256 {actual.tokenizer.sha256[:12]!r} "
                            f"(expected {expected.tokenizer.path!r} sha256 {expected.tokenizer.sha256[:12]!r})")
-    # Where an output stops (the eos ids come from generation_config.json, beside the tokenizer).
+    # Where an output stops, and how a request that leaves its sampling unset samples (both from
+    # generation_config.json, beside the tokenizer).
     if set(expected.eos_token_ids) != set(actual.eos_token_ids):
         differences.append(f"eos_token_ids {sorted(actual.eos_token_ids)} (expected {sorted(expected.eos_token_ids)})")
+    if expected.generation_defaults != actual.generation_defaults:
+        differences.append(f"generation_defaults {_one_line(actual.generation_defaults)} "
+                           f"(expected {_one_line(expected.generation_defaults)})")
     return ", ".join(differences)
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split()) or "none"
 
 
 class ModelWorkerClient:

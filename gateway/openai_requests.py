@@ -239,9 +239,10 @@ class _GenerationRequest(_TopLevel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's sampling extensions.
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    # None where unset: the model's generation_config.json may have a default (ModelInfo).
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     typical_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     stop_token_ids: list[Int32] | None = None
     include_stop_str_in_output: bool = False

@@ -56,21 +56,29 @@ class GenerationParams:
     params_of_fields: dict[str, str] = field(default_factory=dict)
 
 
-def sampling_params(body: GenerationRequest, encode_words: EncodeWords) -> model_worker_pb2.SamplingParams:
-    """The sampler's settings, each OpenAI / vLLM field to its proto field of the same meaning."""
-    if body.temperature is not None:
-        temperature = body.temperature
-    else:  # a beam search runs on the model's own logprobs: greedy unless a temperature was asked for
-        temperature = 0.0 if body.use_beam_search else 1.0
+def sampling_params(body: GenerationRequest, encode_words: EncodeWords,
+                    defaults: model_worker_pb2.GenerationDefaults | None = None) -> model_worker_pb2.SamplingParams:
+    """The sampler's settings, each OpenAI / vLLM field to its proto field of the same meaning;
+    a field the body leaves unset takes the model's default (its generation_config.json, as
+    vLLM's --generation-config auto), else the API's. A beam search takes none of the model's:
+    it runs on the model's own logprobs, greedy unless a temperature was asked for."""
+    if body.use_beam_search or defaults is None:
+        defaults = model_worker_pb2.GenerationDefaults()
+
+    def unset(value: float | int | None, name: str, api_default: float | int) -> float | int:
+        if value is not None:
+            return value
+        return getattr(defaults, name) if defaults.HasField(name) else api_default
+
     sampling = model_worker_pb2.SamplingParams(
-        temperature=temperature,
-        top_k=max(body.top_k or 0, 0),  # vLLM's -1 and 0 both mean off
-        top_p=1.0 if body.top_p is None else body.top_p,
-        min_p=body.min_p,
+        temperature=unset(body.temperature, "temperature", 0.0 if body.use_beam_search else 1.0),
+        top_k=max(unset(body.top_k, "top_k", 0), 0),  # vLLM's -1 and 0 both mean off
+        top_p=unset(body.top_p, "top_p", 1.0),
+        min_p=unset(body.min_p, "min_p", 0.0),
         typical_p=body.typical_p,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=unset(body.repetition_penalty, "repetition_penalty", 1.0),
         min_tokens=body.min_tokens,
         allowed_token_ids=body.allowed_token_ids or (),
     )
@@ -130,7 +138,9 @@ def structured_output(body: GenerationRequest) -> model_worker_pb2.StructuredOut
     return None
 
 
-def generation_params(body: GenerationRequest, encode_words: EncodeWords) -> GenerationParams:
+def generation_params(body: GenerationRequest, encode_words: EncodeWords,
+                      defaults: model_worker_pb2.GenerationDefaults | None = None) -> GenerationParams:
+    """defaults: the model's sampling defaults (ModelInfo.generation_defaults)."""
     if isinstance(body, ChatCompletionRequest):
         logprobs, top_logprobs, echo = body.logprobs, body.top_logprobs or 0, False
     else:
@@ -140,9 +150,13 @@ def generation_params(body: GenerationRequest, encode_words: EncodeWords) -> Gen
     if echo and logprobs:
         # Echoed prompt tokens carry logprobs too, with as many alternatives as the output's.
         prompt_logprobs = max(prompt_logprobs or 0, top_logprobs)
+    max_tokens = body.completion_token_limit()
+    if defaults is not None and defaults.HasField("max_new_tokens"):
+        # vLLM's rule: the least of the request's and the model's (and the context's, later).
+        max_tokens = min(defaults.max_new_tokens, max_tokens) if max_tokens is not None else defaults.max_new_tokens
     return GenerationParams(
-        sampling=sampling_params(body, encode_words),
-        max_tokens=body.completion_token_limit(),
+        sampling=sampling_params(body, encode_words, defaults),
+        max_tokens=max_tokens,
         n=body.n,
         best_of=body.best_of or 0,
         use_beam_search=body.use_beam_search,

@@ -96,7 +96,27 @@ def build_model_info(config: Config, model_dir: Path, hf_config: dict, runner: M
         dtype=str(runner.dtype).removeprefix("torch."),
         device=str(runner.device),
         kv_cache_tokens=runner.kv_cache.num_blocks * runner.kv_cache.block_size,
+        generation_defaults=(generation_defaults(_read_json(model_dir / "generation_config.json"))
+                             if config.generation_config == "auto" else None),
     )
+
+
+# The sampling fields vLLM takes from generation_config.json, and transformers' GenerationConfig
+# default of each: a file's value equal to it is not in its to_diff_dict(), which vLLM reads.
+_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+                        "max_new_tokens": None}
+
+
+def generation_defaults(generation_config: dict) -> pb.GenerationDefaults:
+    """The model's sampling defaults (--generation-config auto), as vLLM reads them: each field
+    generation_config.json sets to a number other than transformers' own default."""
+    defaults = pb.GenerationDefaults()
+    for name, hf_default in _GENERATION_DEFAULTS.items():
+        value = generation_config.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value == hf_default:
+            continue
+        setattr(defaults, name, int(value) if name in ("top_k", "max_new_tokens") else float(value))
+    return defaults
 
 
 def gguf_small_steps(config: Config, model_dir: Path, hf_config: dict, device: torch.device,
@@ -223,7 +243,11 @@ async def serve(config: Config) -> None:
     try:
         loop.start()
         server = grpc_server.new_server()
-        servicer = ModelWorkerServicer(loop, build_model_info(config, model_dir, hf_config, runner, eos_ids))
+        model_info = build_model_info(config, model_dir, hf_config, runner, eos_ids)
+        if model_info.generation_defaults.ListFields():  # vLLM says so too: answers differ from the API's defaults
+            logger.info("requests that leave them unset take generation_config.json's %s (--generation-config vllm: "
+                        "the API's defaults)", " ".join(str(model_info.generation_defaults).split()))
+        servicer = ModelWorkerServicer(loop, model_info)
         model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(servicer, server)
         health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
         await grpc_server.mark_serving(health, [SERVICE_NAME])

@@ -50,6 +50,10 @@ class Config(WorkerServerOptions):
         "help": "send a request's tokens at most every N steps (its first token and its end at once), as "
                 "SGLang's and vLLM's --stream-interval: fewer, larger frames, text deltas and SSE events "
                 "for smoother throughput under load, at the cost of burstier streams; 1: every step"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "auto: requests that leave temperature, top_p, top_k, min_p, repetition_penalty or max_tokens "
+                "unset take the model's generation_config.json values (vLLM's default); vllm: the API's "
+                "defaults only"})
     max_waiting_requests: int = field(default=1024, metadata={
         "help": "new requests waiting beyond the free seats (--max-num-seqs), past which adds are refused "
                 "with RESOURCE_EXHAUSTED; a running request's preempted samples do not count"})
@@ -118,6 +122,8 @@ class Config(WorkerServerOptions):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, not {self.device!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"--generation-config must be auto or vllm, not {self.generation_config!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "block_size", "max_best_of",
                      "stream_interval"):
             if getattr(self, name) < 1:

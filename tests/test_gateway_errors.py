@@ -95,10 +95,12 @@ def test_bad_text_and_out_of_range_numbers_are_400(client: TestClient, path: str
 def test_null_takes_the_default_where_a_field_is_not_nullable() -> None:
     from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 
-    nulls = dict.fromkeys(("n", "stream", "presence_penalty", "frequency_penalty", "echo", "min_p", "ignore_eos"))
+    nulls = dict.fromkeys(("n", "stream", "presence_penalty", "frequency_penalty", "echo", "typical_p", "ignore_eos"))
     completion = CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": None, **nulls})
-    assert (completion.n, completion.stream, completion.presence_penalty, completion.echo, completion.min_p) == (
-        1, False, 0.0, False, 0.0)
+    assert (completion.n, completion.stream, completion.presence_penalty, completion.echo, completion.typical_p) == (
+        1, False, 0.0, False, 1.0)
+    # min_p's null is unset, as its absence: the model's default where it has one, else 0.
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "min_p": None}).min_p is None
     assert completion.max_tokens is None  # nullable itself: null keeps meaning "up to the context"
     chat = ChatCompletionRequest.model_validate({**CHAT, "logprobs": None, "stream_options": None, "n": None})
     assert chat.logprobs is False and chat.n == 1 and chat.stream_options is None

@@ -430,3 +430,44 @@ def test_the_required_call_list_keeps_each_tools_own_pointers() -> None:
             jsonschema.validate([bad], schema)
     # Data is left as sent: a "$ref" inside a const is a value, not a pointer.
     assert schema["$defs"]["tokenwire_tool_3"]["enum_holder"] == {"const": {"$ref": "#"}}
+
+
+def test_unset_sampling_fields_take_the_models_defaults() -> None:
+    """vLLM's --generation-config auto: what the body leaves unset comes from the model's
+    generation_config.json (ModelInfo.generation_defaults), what it sets stays; max_new_tokens
+    bounds max_tokens; a beam search takes none of them (its knobs would be refused)."""
+    defaults = model_worker_pb2.GenerationDefaults(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
+                                                   max_new_tokens=64)
+    unset = generation_params(chat(), _no_words, defaults)
+    s = unset.sampling
+    assert (round(s.temperature, 4), round(s.top_p, 4), s.top_k, round(s.repetition_penalty, 4), s.min_p) == (
+        0.7, 0.8, 20, 1.05, 0.0)
+    assert unset.max_tokens == 64
+    mine = generation_params(chat(temperature=0, top_p=1.0, top_k=-1, repetition_penalty=1.0, min_p=0.1,
+                                  max_tokens=100), _no_words, defaults)
+    s = mine.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, round(s.min_p, 4)) == (0.0, 1.0, 0, 1.0, 0.1)
+    assert mine.max_tokens == 64  # the least of the two, as vLLM takes it
+    assert generation_params(chat(max_tokens=8), _no_words, defaults).max_tokens == 8
+    beams = generation_params(chat(use_beam_search=True, n=2), _no_words, defaults)
+    assert (beams.sampling.temperature, beams.sampling.top_p, beams.sampling.top_k) == (0.0, 1.0, 0)
+    plain = generation_params(chat(), _no_words, model_worker_pb2.GenerationDefaults())
+    assert (plain.sampling.temperature, plain.sampling.top_p, plain.max_tokens) == (1.0, 1.0, None)
+
+
+def _no_words(text: str) -> list[int]:
+    return []
+
+
+def test_the_models_defaults_are_what_vllm_reads_from_generation_config() -> None:
+    from model_worker.__main__ import generation_defaults
+
+    qwen = generation_defaults({"bos_token_id": 1, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                "repetition_penalty": 1.05, "max_new_tokens": 2048})
+    assert set(f.name for f, _ in qwen.ListFields()) == {"temperature", "top_p", "top_k", "repetition_penalty",
+                                                         "max_new_tokens"}
+    # transformers' own defaults are not in the file's to_diff_dict(), so vLLM leaves them out too.
+    assert not generation_defaults({"temperature": 1.0, "top_k": 50, "top_p": 1.0, "do_sample": True}).ListFields()
+    assert not generation_defaults({"temperature": "0.7", "top_k": True}).ListFields()  # not numbers
+    assert generation_defaults({"temperature": 0}).temperature == 0.0 and generation_defaults(
+        {"temperature": 0}).HasField("temperature")

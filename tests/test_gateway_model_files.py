@@ -1,6 +1,8 @@
-"""A tokenizer that adds a BOS (Llama's, Mistral's): /v1/completions' add_special_tokens (vLLM's)
-leaves it out for a prompt that already holds one, as /tokenize does. The stack runs the tiny
-random model."""
+"""What the model dir's own files change in the API, on a stack over the tiny random model:
+- a tokenizer that adds a BOS (Llama's, Mistral's): /v1/completions' add_special_tokens (vLLM's)
+  leaves it out for a prompt that already holds one, as /tokenize does;
+- generation_config.json's sampling fields: the defaults of a request that leaves them unset
+  (vLLM's --generation-config auto)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ def url(tiny_model_dir: Path, tmp_path_factory) -> str:
     tokenizer.save(str(model_dir / "tokenizer.json"))
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|im_start|>"}))
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.0,
+                                                                  "max_new_tokens": 5}))
     with tiny_stack(model_dir, 128) as stack:
         yield stack.gateway_url
 
@@ -38,7 +43,7 @@ def url(tiny_model_dir: Path, tmp_path_factory) -> str:
 def test_add_special_tokens_false_keeps_a_templated_prompts_one_bos(url: str) -> None:
     def prompt_tokens(prompt: str, **extra: object) -> int:
         answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "prompt": prompt, "max_tokens": 1, "temperature": 0, **extra})
+            "prompt": prompt, "max_tokens": 1, **extra})
         assert answer.status_code == 200, answer.text
         return answer.json()["usage"]["prompt_tokens"]
 
@@ -52,3 +57,21 @@ def test_add_special_tokens_false_keeps_a_templated_prompts_one_bos(url: str) ->
     assert tokenize(templated, add_special_tokens=False) == [BOS, *plain]
     assert prompt_tokens(templated, add_special_tokens=False) == len(plain) + 1
     assert prompt_tokens(templated) == len(plain) + 2  # the default adds one more, as vLLM's does
+
+
+def test_a_request_leaving_sampling_unset_takes_generation_configs_values(url: str) -> None:
+    def chat(**extra: object) -> dict:
+        answer = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Write a poem"}], "ignore_eos": True, **extra})
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    unset = [chat() for _ in range(2)]
+    # temperature 0 from the file: greedy, the same every time (temperature 1 on this random
+    # model's flat distribution would draw different tokens); max_new_tokens 5 bounds the length.
+    assert unset[0]["choices"][0]["message"]["content"] == unset[1]["choices"][0]["message"]["content"]
+    assert unset[0]["usage"]["completion_tokens"] == 5
+    assert chat(max_tokens=50)["usage"]["completion_tokens"] == 5  # the least of the two, as vLLM
+    assert chat(max_tokens=3)["usage"]["completion_tokens"] == 3
+    drawn = {chat(temperature=1.0, seed=seed)["choices"][0]["message"]["content"] for seed in range(3)}
+    assert len(drawn) > 1  # the request's own temperature wins
