@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenwire.config_cli import LOG_LEVELS
 from tokenwire.grpc_tls import WorkerServerOptions
 
 
@@ -13,7 +14,7 @@ class Config(WorkerServerOptions):
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=50052, metadata={"help": "gRPC port"})
-    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error", "choices": LOG_LEVELS})
 
     def __post_init__(self) -> None:
         super().__post_init__()

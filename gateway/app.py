@@ -274,12 +274,13 @@ async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Seque
     num_prompt_tokens = sum(len(p) for p in prompts)
     num_choices = len(prompts) * params.n
     access = access_record(request.scope)
-    timer = RequestTimer(request.app.state.metrics, num_prompt_tokens, access=access)
+    timer = RequestTimer(request.app.state.metrics, num_prompt_tokens, num_choices, access=access)
     if access is not None:
         timer.started = access.started  # latencies count from the request's arrival, as vLLM's do
-    events = metered(_merge_prompts([pipeline.generate(p, params) for p in prompts], params.n), timer)
+    events = _merge_prompts([pipeline.generate(p, params) for p in prompts], params.n)
     if prompt_only:
-        events = _without_output(events)
+        events = _without_output(events)  # before the metering: the scoring token is nobody's output
+    events = metered(events, timer)
     events = with_deadline(events, request.app.state.limits.request_timeout_s)
     if not stream:
         outputs = await _collect_unless_disconnected(request, events, num_choices)

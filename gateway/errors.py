@@ -131,6 +131,11 @@ def error_sse_event(error: APIError) -> str:
     return sse_data(json.dumps(error.body()))
 
 
+def internal_error(exc: Exception) -> APIError:
+    """A bug's answer: 500, naming the exception (its traceback goes to the log)."""
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
@@ -155,7 +160,9 @@ def install_error_handlers(app: FastAPI) -> None:
                             headers=exc.headers)
 
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), status_code=500)
+        # Only where GatewayHTTPMiddleware does not answer first (a non-HTTP scope).
+        error = internal_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

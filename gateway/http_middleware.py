@@ -19,10 +19,13 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import invalid_api_key
+from gateway.errors import internal_error, invalid_api_key
 from gateway.request_limits import body_too_large
 
 logger = logging.getLogger("gateway.access")
+errors_logger = logging.getLogger("gateway.errors")
+# nginx's status for a request whose client closed the connection before the response ended.
+CLIENT_CLOSED_REQUEST = 499
 
 REQUEST_ID_HEADER = "x-request-id"
 ACCESS_SCOPE_KEY = "tokenwire.access"
@@ -38,6 +41,7 @@ class AccessRecord:
     status: int = 0
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    logged: bool = False
 
 
 def access_record(scope: Scope) -> AccessRecord | None:
@@ -93,7 +97,22 @@ class GatewayHTTPMiddleware:
                 error = body_too_large(self.max_body_bytes)
                 await JSONResponse(error.body(), status_code=error.status)(scope, _no_body, send_with_id)
                 return
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            if record.status:  # the response has started: nothing else can be said to the client
+                raise
+            # Answered here, inside this middleware and CORS (Starlette's outermost handler would
+            # send it without the request id or CORS headers, and no access log line).
+            errors_logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            error = internal_error(exc)
+            await JSONResponse(error.body(), status_code=error.status)(scope, _no_body, send_with_id)
+        finally:
+            if not record.logged:
+                # The response never ended: its client left mid-stream (the stream was cancelled),
+                # logged as nginx logs it, 499, with the tokens sent so far.
+                record.status = CLIENT_CLOSED_REQUEST
+                self._log(scope, record)
 
     async def _bounded_body(self, headers: Headers, receive: Receive) -> Receive | None:
         """Reads the whole body, up to max_body_bytes, and returns a receive that replays it;
@@ -117,6 +136,7 @@ class GatewayHTTPMiddleware:
 
     @staticmethod
     def _log(scope: dict[str, Any], record: AccessRecord) -> None:
+        record.logged = True
         client = scope.get("client")
         latency_ms = (time.perf_counter() - record.started) * 1000
         tokens = ""

@@ -90,6 +90,7 @@ class RequestTimer:
 
     metrics: GatewayMetrics | None
     num_prompt_tokens: int
+    num_choices: int = 1
     # The access log line's token counts are filled in when the request ends.
     access: AccessRecord | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -98,6 +99,9 @@ class RequestTimer:
     last_token_at: dict[int, float] = field(default_factory=dict)
     num_output_tokens: dict[int, int] = field(default_factory=dict)
     finish_reasons: dict[int, str] = field(default_factory=dict)
+    # The model worker sent something (took the request): only then do its prompt tokens and
+    # its latency count, as vLLM's engine counts only what it ran (a refusal, 400 or 429, not).
+    answered: bool = False
 
     @property
     def total_output_tokens(self) -> int:
@@ -106,6 +110,7 @@ class RequestTimer:
     def observe(self, index: int, event: GenerationEvent) -> None:
         now = time.perf_counter()
         m = self.metrics
+        self.answered = True
         if event.token_ids:
             if self.first_token_at is None:
                 self.first_token_at = now
@@ -127,13 +132,15 @@ class RequestTimer:
             self.access.prompt_tokens = self.num_prompt_tokens
             self.access.completion_tokens = self.total_output_tokens
         m = self.metrics
-        if m is None:
+        if m is None or not self.answered:
             return
         m.e2e_request_latency.observe(time.perf_counter() - self.started)
         m.prompt_tokens.inc(self.num_prompt_tokens)
         m.generation_tokens.inc(self.total_output_tokens)
-        for reason in self.finish_reasons.values():
-            m.request_success.labels(finished_reason=reason).inc()
+        for index in sorted(set(range(self.num_choices)) | self.finish_reasons.keys()):
+            # A choice that never finished (its client left, its time ran out, it failed) is an
+            # abort, vLLM's label for it: the counters then add up to the requests that ran.
+            m.request_success.labels(finished_reason=self.finish_reasons.get(index, "abort")).inc()
 
 
 EventStream = AsyncGenerator[tuple[int, GenerationEvent], None]

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gateway.errors import APIError, error_sse_event
+from gateway.errors import APIError, error_sse_event, internal_error
 from gateway.openai_responses import (
     AssistantMessage,
     ChatChoice,
@@ -659,7 +659,7 @@ async def sse_stream(first: tuple[int, GenerationEvent], events: ChoiceEvents, r
         yield error_sse_event(exc)
     except Exception as exc:
         logger.exception("stream failed")
-        yield error_sse_event(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        yield error_sse_event(internal_error(exc))
     finally:
         await events.aclose()
     yield SSE_DONE

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from model_worker.model_files import DEFAULT_MODEL
+from tokenwire.config_cli import LOG_LEVELS
 from tokenwire.grpc_tls import WorkerServerOptions
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenwire"
@@ -112,7 +113,7 @@ class Config(WorkerServerOptions):
     served_model_name: str = field(default="", metadata={"help": "model id to report; default from --model"})
     cache_dir: str = field(default_factory=_default_cache_dir, metadata={
         "help": "where converted GGUF models and built CPU kernels are cached"})
-    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error", "choices": LOG_LEVELS})
 
     def __post_init__(self) -> None:
         super().__post_init__()

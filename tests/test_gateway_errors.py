@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -193,6 +194,51 @@ def test_cors_flag_answers_preflights() -> None:
     assert response.headers["access-control-allow-origin"] == "https://app.example"
     plain = TestClient(create_app(Config()))
     assert "access-control-allow-origin" not in plain.options("/v1/chat/completions", headers=preflight).headers
+
+
+def test_a_bug_is_a_500_with_the_request_id_cors_headers_and_an_access_line(caplog: pytest.LogCaptureFixture) -> None:
+    # Answered by Starlette's outermost handler, it had none of the three: a browser could not read
+    # it, and nothing tied it to a request.
+    app = create_app(Config(cors_allow_origins=["https://app.example"]))
+
+    @app.post("/v1/boom")
+    async def boom() -> None:
+        raise RuntimeError("simulated bug")
+
+    caplog.set_level(logging.INFO, logger="gateway")
+    response = TestClient(app, raise_server_exceptions=False).post(
+        "/v1/boom", headers={"Origin": "https://app.example", "X-Request-Id": "r-500"})
+    assert response.status_code == 500 and response.headers["x-request-id"] == "r-500"
+    assert response.headers["access-control-allow-origin"] == "https://app.example"
+    assert "simulated bug" in assert_openai_error(response.json(), "internal_server_error")["message"]
+    assert any('"POST /v1/boom" 500' in r.getMessage() and "r-500" in r.getMessage() for r in caplog.records)
+    assert any(r.name == "gateway.errors" and r.exc_info for r in caplog.records)  # the traceback
+
+
+async def test_a_stream_its_client_left_still_gets_an_access_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Starlette cancels a stream whose client left; its last body message never goes out, which
+    is where the line was written. Now as nginx logs it: 499, with the tokens so far."""
+    from gateway.http_middleware import GatewayHTTPMiddleware, access_record
+
+    async def streaming_app(scope, receive, send) -> None:
+        access_record(scope).completion_tokens = 7
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        raise asyncio.CancelledError  # the client went away
+
+    async def send(message) -> None:
+        pass
+
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "client": ("1.2.3.4", 5)}
+    with pytest.raises(asyncio.CancelledError):
+        await GatewayHTTPMiddleware(streaming_app)(scope, _no_body, send)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "gateway.access"]
+    assert '"POST /v1/completions" 499' in line
+
+
+async def _no_body() -> dict:
+    return {"type": "http.request", "body": b"", "more_body": False}
 
 
 def test_queue_full_is_429_with_retry_after() -> None:

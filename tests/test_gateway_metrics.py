@@ -33,7 +33,7 @@ async def events():
 async def test_metered_stream_records_latencies_tokens_and_the_access_record() -> None:
     metrics = GatewayMetrics()
     access = AccessRecord("rid")
-    timer = RequestTimer(metrics, num_prompt_tokens=5, access=access)
+    timer = RequestTimer(metrics, num_prompt_tokens=5, num_choices=2, access=access)
     seen = [index async for index, _ in metered(events(), timer)]
     assert seen == [0, 1, 0, 1]
     text = metrics.render().decode()
@@ -46,6 +46,33 @@ async def test_metered_stream_records_latencies_tokens_and_the_access_record() -
     assert sample(text, 'tokenwire:request_success_total{finished_reason="stop"}') == 1
     assert sample(text, 'tokenwire:request_success_total{finished_reason="length"}') == 1
     assert access.prompt_tokens == 5 and access.completion_tokens == 4
+
+
+async def test_a_request_the_model_worker_never_took_counts_no_tokens_and_a_left_one_an_abort() -> None:
+    """Refused (400, 429) before any event: no prompt tokens, no latency sample, as vLLM's engine
+    counts only what it ran. Cut short after one event (the client left, the time ran out): its
+    tokens count, and each unfinished choice is an abort, so the success counter adds up."""
+    metrics = GatewayMetrics()
+
+    async def refused():
+        raise RuntimeError("queue full")
+        yield  # an async generator
+
+    try:
+        async for _ in metered(refused(), RequestTimer(metrics, num_prompt_tokens=31, num_choices=1)):
+            pass
+    except RuntimeError:
+        pass
+    text = metrics.render().decode()
+    assert sample(text, "tokenwire:prompt_tokens_total") == 0
+    assert sample(text, "tokenwire:e2e_request_latency_seconds_count") == 0
+    stream = metered(events(), RequestTimer(metrics, num_prompt_tokens=5, num_choices=3))
+    await anext(stream)
+    await stream.aclose()  # the client left after the first token
+    text = metrics.render().decode()
+    assert sample(text, "tokenwire:prompt_tokens_total") == 5
+    assert sample(text, "tokenwire:generation_tokens_total") == 1
+    assert sample(text, 'tokenwire:request_success_total{finished_reason="abort"}') == 3
 
 
 def test_load_gauges_and_error_counters() -> None:

@@ -310,6 +310,14 @@ def test_tokenize_and_detokenize(stack: Stack, model: str) -> None:
     assert bad.status_code == 400
     assert httpx.post(f"{stack.gateway_url}/tokenize", json={"model": "other", "prompt": "x"},
                       timeout=10).status_code == 404
+    # Past 1024 tokens the answer is built on a worker thread: the same answer.
+    prompt = "hello world" + " hello world" * 999
+    long = httpx.post(f"{stack.gateway_url}/tokenize", json={"prompt": prompt, "return_token_strs": True},
+                      timeout=30).json()
+    assert long["count"] == len(long["tokens"]) == len(long["token_strs"]) == 2000
+    assert long["tokens"][:2] == [28120, 905] and long["token_strs"][:2] == ["hello", " world"]
+    back = httpx.post(f"{stack.gateway_url}/detokenize", json={"tokens": long["tokens"]}, timeout=30).json()
+    assert back == {"prompt": prompt}
 
 
 def test_lost_detok_worker_ends_streams_with_an_error_event(tiny_model_dir: Path) -> None:

@@ -55,3 +55,27 @@ def test_a_model_dir_without_a_tokenizer_is_refused_before_loading(tiny_model_di
     shutil.copy(tiny_model_dir / "config.json", tmp_path)
     with pytest.raises(ModelNotFoundError, match="no tokenizer.json"):
         check_served_model_files(str(tmp_path))
+
+
+@pytest.mark.parametrize(("service", "argv"), [
+    ("gateway", ["--log-level", "verbose"]),  # logging's traceback at start, or uvicorn's KeyError for "warn"
+    ("gateway", ["--log-level", "warn"]),
+    ("gateway", ["--request-timeout-s", "nan"]),  # every request a 504 at once
+    ("gateway", ["--model-worker-dns-refresh-s", "inf"]),
+    ("model_worker", ["--gpu-memory-utilization", "nan"]),
+    ("detok_worker", ["--log-level", "trace"]),
+])
+def test_flags_without_a_meaning_are_refused_at_parse(service, argv, capsys):
+    import importlib
+
+    config_class = importlib.import_module(f"{service}.config").Config
+    with pytest.raises(SystemExit):
+        parse_config(config_class, argv, env_prefix="TOKENWIRE_TEST_FLAGS_")
+    assert "error: --" in capsys.readouterr().err
+
+
+def test_log_level_is_taken_in_any_case():
+    from gateway.config import Config as GatewayConfig
+
+    assert parse_config(GatewayConfig, ["--log-level", "WARNING"], env_prefix="TOKENWIRE_TEST_FLAGS_").log_level == \
+        "warning"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -15,6 +16,8 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 ConfigT = TypeVar("ConfigT")
+# --log-level's values: logging's levels that uvicorn (the gateway's server) names too.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _flag(name: str) -> str:
@@ -44,7 +47,10 @@ def _convert(tp: Any, raw: str) -> Any:
     if typing.get_origin(tp) is list:
         (item,) = typing.get_args(tp)
         return [item(part.strip()) for part in raw.split(",") if part.strip()]
-    return tp(raw)
+    value = tp(raw)
+    if tp is float and not math.isfinite(value):  # float() takes "nan" and "inf": no flag means them
+        raise ValueError(f"not a finite number: {raw!r}")
+    return value
 
 
 def parse_config(cls: type[ConfigT], argv: Sequence[str] | None = None, env_prefix: str = "TOKENWIRE_",
@@ -79,6 +85,11 @@ def parse_config(cls: type[ConfigT], argv: Sequence[str] | None = None, env_pref
             values[field.name] = raw if isinstance(raw, bool) else _convert(tp, raw)
         except ValueError as exc:
             parser.error(f"{_flag(field.name)}: {exc}")
+        choices = field.metadata.get("choices")
+        if choices is not None:
+            values[field.name] = str(values[field.name]).lower()
+            if values[field.name] not in choices:
+                parser.error(f"{_flag(field.name)}: {raw!r} is not one of {', '.join(choices)}")
     try:
         return cls(**values)
     except ValueError as exc:
