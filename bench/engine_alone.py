@@ -73,11 +73,16 @@ class EngineDriver:
         waiting = deque(range(len(prompts)))
         live: dict[int, int] = {}  # engine request id -> index in prompts
         level_start = time.perf_counter()
+        cap_freed_at = level_start  # when the in-flight cap last had room again
         while waiting or live:
             now = time.perf_counter()
             while waiting and len(live) < cap and level_start + offsets[waiting[0]] <= now:
                 index = waiting.popleft()
-                records[index].start = now
+                # Arrivals: loadgen sends on time, and the request waits in the server for the step
+                # then running; here it is seen only after that step, so it starts at its scheduled
+                # time (or when the cap let it in), not now.
+                records[index].start = (max(level_start + offsets[index], cap_freed_at) if level.request_rate
+                                        else now)
                 try:
                     live[self._add(prompts[index], self.output_tokens)] = index
                 except RequestRejected as exc:
@@ -89,6 +94,9 @@ class EngineDriver:
             if not self.engine.has_work():  # would loop forever: the engine lost requests
                 for index in live.values():
                     records[index].error, records[index].end = "the engine dropped the request", now
+                for index in waiting:  # never sent: not a start of 0, which would span the machine's uptime
+                    records[index].start = records[index].end = now
+                    records[index].error = "not sent: the engine dropped the requests before it"
                 break
             outputs = self.engine.step()
             step_end = time.perf_counter()
@@ -105,6 +113,8 @@ class EngineDriver:
                     if out.finish_reason == FinishReason.ERROR:
                         record.error = "engine reported FINISH_REASON_ERROR"
                     del live[out.seq_id]
+                    if len(live) == cap - 1:
+                        cap_freed_at = step_end
         return records
 
 

@@ -81,8 +81,9 @@ async def run_sweep(base_url: str, spec: RequestSpec, workload: Workload, pool: 
                 raise RuntimeError(f"warm-up request to {url} failed: {record.error}")
         summaries = []
         for level in workload.levels():
-            if level.concurrency:
-                await open_connections(client, base_url, level.concurrency)
+            # A warm pool for every request that can be in flight at once (rate mode: the cap, or
+            # each request), so no first request's TTFT pays for opening a connection.
+            await open_connections(client, base_url, min(level.concurrency or level.num_requests, 256))
             cpu_before = time.process_time()
             records = await run_level(client, url, spec, level.prompts(pool), level, workload.seed, count_text)
             summary = summarize(records, level.concurrency, level.request_rate)

@@ -46,8 +46,8 @@ class RequestRecord:
     num_prompt_tokens: int | None = None
     # The server's own count (usage) when it reports one, else sum(chunk_tokens).
     num_output_tokens: int = 0
-    # False when chunk_tokens are a guess (one per text chunk) that the server's total contradicts
-    # or cannot confirm; ITL is then per chunk, not per token, for this request.
+    # False when chunk_tokens are a guess (each chunk's text re-encoded, or one per chunk) that the
+    # server's total contradicts or cannot confirm; ITL then rests on the guessed counts.
     exact_token_counts: bool = True
     error: str | None = None
 

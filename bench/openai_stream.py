@@ -74,6 +74,10 @@ class ChunkTokenCounter:
         self.count_text = count_text
         self.counted = 0
         self.running_usage = 0
+        # Usage has come with every chunk of choices so far: a running count (continuous usage
+        # stats). A server that sends it only with its last chunk of choices (llama.cpp's
+        # llama-server) gives the total there, not that chunk's tokens.
+        self.usage_runs = True
         self.final_total: int | None = None
         self.prompt_tokens: int | None = None
         self.finish_reason: str | None = None
@@ -92,7 +96,9 @@ class ChunkTokenCounter:
         if not choices:  # the usage-only last chunk
             return 0
         self.finish_reason = choices[0].get("finish_reason") or self.finish_reason
-        if usage.get("completion_tokens") is not None:
+        if usage.get("completion_tokens") is None:
+            self.usage_runs = False
+        if self.usage_runs:
             num_tokens = usage["completion_tokens"] - self.running_usage
             self.running_usage = usage["completion_tokens"]
         else:

@@ -63,8 +63,9 @@ def read_report(path: Path) -> dict[str, Any]:
 
 
 def level_x(level: dict[str, Any]) -> float:
-    """A level's place on the x axis: its concurrency, or its request rate in open-loop mode."""
-    return level["concurrency"] if level["concurrency"] is not None else level["request_rate"]
+    """A level's place on the x axis: its request rate in open-loop mode (whose levels may share a
+    --max-concurrency cap), else its concurrency."""
+    return level["request_rate"] if level.get("request_rate") is not None else level["concurrency"]
 
 
 def plot_reports(reports: Sequence[dict[str, Any]], path: Path, title: str) -> None:
@@ -76,7 +77,7 @@ def plot_reports(reports: Sequence[dict[str, Any]], path: Path, title: str) -> N
     import matplotlib.ticker
 
     fig, (ax_tput, ax_ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
-    rate_mode = any(level["concurrency"] is None for r in reports for level in r["levels"])
+    rate_mode = any(level.get("request_rate") is not None for r in reports for level in r["levels"])
     for report in reports:
         levels = sorted(report["levels"], key=level_x)
         xs = [level_x(level) for level in levels]

@@ -192,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # The model worker's flags, the same for the stack and the engine alone: every level's
     # requests fit one batch, and the context is just what the workload needs.
+    # --generation-config vllm: the engine alone and the model worker over gRPC sample with the
+    # request's settings alone, so the gateway must not add a model's generation_config.json ones.
     mw_args = ["--max-num-seqs", str(workload.max_in_flight),
-               "--max-model-len", str(workload.prompt_len + workload.output_tokens + 16)]
+               "--max-model-len", str(workload.prompt_len + workload.output_tokens + 16), "--generation-config", "vllm"]
     if args.threads:
         mw_args += ["--num-threads", str(args.threads)]
     mw_args += shlex.split(args.tokenwire_args)

@@ -71,8 +71,10 @@ def _ms(seconds: float) -> float:
 
 
 def _p90(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    """numpy's (linear) 90th percentile, as bench.metrics and vLLM take percentiles."""
+    import numpy as np
+
+    return float(np.percentile(values, 90))
 
 
 class GenerateClient:
@@ -198,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             mw_args = ["--step-ms", str(args.step_ms or 1.0), "--model", str(model_dir)]
             module, launch = "bench.stand_in_model_worker", stand_in_stack
         else:
-            mw_args = ["--model", args.model, "--max-num-seqs", "8",
+            # --generation-config vllm: the direct gRPC path sends no model defaults, so the gateway adds none.
+            mw_args = ["--model", args.model, "--max-num-seqs", "8", "--generation-config", "vllm",
                        "--max-model-len", str(args.prompt_len + args.output_tokens + 16),
                        "--num-threads", str(args.threads or 2), *shlex.split(args.tokenwire_args)]
             module, launch = "model_worker", start_stack

@@ -129,6 +129,16 @@ def test_chunk_counter_prefers_running_usage():
     assert (counter.total, counter.exact, counter.prompt_tokens) == (4, True, 5)
 
 
+def test_usage_on_the_last_chunk_of_choices_alone_is_the_total_not_that_chunks_tokens():
+    # llama.cpp's llama-server: usage only with its last chunk of choices. Read as a running count,
+    # that chunk carried all 4 tokens again: 8 in all, and 4 extra ITL samples near 0.
+    counter = ChunkTokenCounter("completions")
+    chunks = [{"choices": [{"text": t}]} for t in ("a", "b", "c")] + [
+        {"choices": [{"text": "d", "finish_reason": "length"}], "usage": {"prompt_tokens": 2, "completion_tokens": 4}}]
+    assert [counter.feed(c) for c in chunks] == [1, 1, 1, 1]
+    assert (counter.total, counter.exact) == (4, True)
+
+
 def test_chunk_counter_counts_logprob_entries():
     completions = ChunkTokenCounter("completions")
     assert completions.feed({"choices": [{"text": "ab", "logprobs": {"tokens": ["a", "b"]}}]}) == 2
@@ -428,6 +438,61 @@ def test_best_of_keeps_each_levels_fastest_run_and_the_spread():
     assert levels[8]["output_throughput_runs"] == [80.0, 60.0]
     table = comparison_table({"tokenwire": merged}, Workload(concurrency=(1, 8)))
     assert "| 8 | tokenwire (gateway) | 80.0 (60.0-80.0) | - |" in table
+
+
+def test_rate_levels_under_one_concurrency_cap_stay_apart():
+    # --request-rate 2,4,8 --max-concurrency 32: every level had concurrency 32, and they were
+    # merged into one (best_of kept one, the side-by-side table was empty).
+    from bench.comparison import best_of
+    from bench.report import level_x
+
+    levels = [{"concurrency": 32, "request_rate": rate, "output_throughput": rate * 10} for rate in (2.0, 4.0, 8.0)]
+    assert [level_x(level) for level in levels] == [2.0, 4.0, 8.0]
+    merged = best_of([{"label": "tw", "levels": levels}, {"label": "tw", "levels": levels}])
+    assert [level["request_rate"] for level in merged["levels"]] == [2.0, 4.0, 8.0]
+
+
+def test_engine_alone_stamps_an_arrival_at_its_scheduled_time():
+    """An arrival that falls due while a step runs is seen only after it; through the gateway it
+    waits in the server for that step, so its TTFT counts the wait: so does the engine alone's."""
+    from bench.engine_alone import EngineDriver
+    from bench.prompts import Prompt
+    from bench.workload import Level
+    from model_worker.engine import SequenceOutput
+    from model_worker.sequence import FinishReason
+
+    class SlowEngine:  # each step 50 ms; one token per live request per step, 2 tokens each
+        def __init__(self):
+            self.live: dict[int, int] = {}
+
+        def add_request(self, seq_id, *args, **kwargs):
+            self.live[seq_id] = 0
+
+        def has_work(self):
+            return bool(self.live)
+
+        def step(self):
+            time.sleep(0.05)
+            outputs = []
+            for seq_id in list(self.live):
+                self.live[seq_id] += 1
+                done = self.live[seq_id] == 2
+                outputs.append(SequenceOutput(seq_id, 7, num_output_tokens=self.live[seq_id],
+                                              finish_reason=FinishReason.LENGTH if done else FinishReason.NONE))
+                if done:
+                    del self.live[seq_id]
+            return outputs
+
+    level = Level(None, 40.0, 4, 0)  # Poisson at 40/s: most arrive while a 50 ms step runs
+    prompts = [Prompt([5, 6], "x")] * 4
+    records = EngineDriver(SlowEngine(), 2).run_level(prompts, level, seed=1)
+    from bench.workload import arrival_offsets
+
+    offsets = arrival_offsets(4, 40.0, 1)
+    first = records[0].start - offsets[0]  # the level's start
+    for record, offset in zip(records, offsets, strict=True):
+        assert record.start == pytest.approx(first + offset, abs=1e-3)
+    assert max(r.ttft for r in records) > 0.05  # one waited for a step already running
 
 
 def test_side_by_side_runner_puts_json_before_the_model_worker_flags(tmp_path):
