@@ -163,6 +163,11 @@ def build_frame(items: list) -> pb.TokenFrame:
     return pb.TokenFrame(sequences=[b.build() for b in builders.values()] + failures)
 
 
+# Outputs one TokenFrame coalesces at most: ~170 bytes each with 20 top logprobs, so a full frame
+# stays far below gRPC's 64 MiB message limit (tokenwire.grpc_io), whatever the backlog.
+MAX_ITEMS_PER_FRAME = 8192
+
+
 def new_request_from_proto(add: pb.AddRequest) -> NewRequest:
     return NewRequest(
         request_id=add.request_id,
@@ -232,8 +237,10 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                 items = [await outbox.queue.get()]
                 outbox.framing = True
                 # Coalesce everything already waiting: under load one frame carries several
-                # steps of every request, so frames per second stay bounded.
-                while not outbox.queue.empty():
+                # steps of every request, so frames per second stay bounded. Up to a bound: after a
+                # client that stopped reading comes back, one frame of its whole backlog could pass
+                # gRPC's message limit and end the stream.
+                while not outbox.queue.empty() and len(items) < MAX_ITEMS_PER_FRAME:
                     items.append(outbox.queue.get_nowait())
                 if any(i is _STREAM_CLOSED for i in items):
                     # The client is done sending; keep streaming until its requests end.

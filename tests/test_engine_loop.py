@@ -491,6 +491,41 @@ def test_an_add_the_servicer_cannot_read_ends_that_request_only(monkeypatch):
     assert all(last[i].finish_reason == pb.FINISH_REASON_LENGTH for i in ("before", "beside", "later"))
 
 
+def test_a_backlog_goes_out_in_bounded_frames(monkeypatch):
+    """A client that stopped reading, then came back: its backlog is coalesced, but in frames of
+    at most MAX_ITEMS_PER_FRAME outputs (one frame of all of it could pass gRPC's message limit)."""
+    from model_worker import servicer as servicer_module
+
+    monkeypatch.setattr(servicer_module, "MAX_ITEMS_PER_FRAME", 3)
+
+    async def scenario() -> list[pb.TokenFrame]:
+        loop = EngineLoop(ScriptedEngine())
+        loop.start()
+        servicer = ModelWorkerServicer(loop, pb.ModelInfo())
+
+        async def requests():
+            yield pb.RequestFrame(adds=[pb.AddRequest(request_id=f"r{i}", prompt_token_ids=[1, 2], max_tokens=20)
+                                        for i in range(4)])
+
+        frames: list[pb.TokenFrame] = []
+        try:
+            call = servicer.Generate(requests(), None)
+            frames.append(await anext(call))
+            await asyncio.sleep(0.3)  # not reading: every request runs to its end meanwhile
+            frames += [frame async for frame in call]
+        finally:
+            await loop.stop()
+        return frames
+
+    frames = asyncio.run(asyncio.wait_for(scenario(), 10))
+    tokens = {}
+    for frame in frames:
+        for seq in frame.sequences:
+            tokens[seq.request_id] = tokens.get(seq.request_id, 0) + len(seq.token_ids) // 4
+    assert tokens == {f"r{i}": 20 for i in range(4)}
+    assert len(frames) >= 4 * 20 // 3 - 1 and all(len(f.sequences) <= 3 for f in frames)
+
+
 def test_a_drain_waits_for_a_quiet_time_not_an_idle_instant():
     """grpc_server.wait_quiet, both workers' drain: idle, then work again within the quiet time
     (a gateway that had not seen NOT_SERVING yet), then idle across a whole quiet time."""
