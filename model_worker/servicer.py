@@ -15,7 +15,7 @@ import grpc
 from model_worker.engine import GrammarWait, SequenceOutput
 from model_worker.engine_loop import EngineLoop, NewRequest, RequestFailure, StreamOutbox
 from model_worker.sampling.prompt_logprobs import PromptLogprobs
-from model_worker.sequence import LogprobsMode, SamplerOrder, SamplingParams
+from model_worker.sequence import FinishReason, LogprobsMode, SamplerOrder, SamplingParams
 from model_worker.structured_output import constraint_from_proto
 from tokenwire.packing import pack_float32, pack_int32
 from tokenwire.v1 import model_worker_pb2 as pb
@@ -146,21 +146,31 @@ class _SequenceFrameBuilder:
 
 
 def build_frame(items: list) -> pb.TokenFrame:
-    builders: dict[tuple[str, int], _SequenceFrameBuilder] = {}
-    failures: list[pb.SequenceTokens] = []
+    """One frame of the items, in their order, each output's tokens merged into one entry per
+    (request id, index). An entry that ends (a finish, a failure) closes its key: a request id
+    reused on the stream (allowed once the old request has ended) may follow in the same frame,
+    and its items must come after that end, in entries of their own, or the client would read the
+    old request's end as the new one's."""
+    open_builders: dict[tuple[str, int], _SequenceFrameBuilder] = {}
+    entries: list[_SequenceFrameBuilder | pb.SequenceTokens] = []
     for item in items:
         if isinstance(item, RequestFailure):
-            failures.append(pb.SequenceTokens(
+            for key in [key for key in open_builders if key[0] == item.request_id]:
+                del open_builders[key]
+            entries.append(pb.SequenceTokens(
                 request_id=item.request_id, finish_reason=pb.FINISH_REASON_ERROR,
                 error=pb.RequestError(code=item.code.value[0], message=item.message, field=item.field)))
             continue
         request_id, out = item
         key = (request_id, out.index)
-        builder = builders.get(key)
+        builder = open_builders.get(key)
         if builder is None:
-            builder = builders[key] = _SequenceFrameBuilder(request_id, out.index)
+            builder = open_builders[key] = _SequenceFrameBuilder(request_id, out.index)
+            entries.append(builder)
         builder.add(out)
-    return pb.TokenFrame(sequences=[b.build() for b in builders.values()] + failures)
+        if out.finish_reason != FinishReason.NONE:
+            del open_builders[key]
+    return pb.TokenFrame(sequences=[e.build() if isinstance(e, _SequenceFrameBuilder) else e for e in entries])
 
 
 # Outputs one TokenFrame coalesces at most: ~170 bytes each with 20 top logprobs, so a full frame

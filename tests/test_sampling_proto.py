@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import grpc
+
 from model_worker.engine import SequenceOutput
 from model_worker.sampling.prompt_logprobs import PromptLogprobs
 from model_worker.sequence import FinishReason, LogprobsMode, SamplerOrder
@@ -70,3 +72,23 @@ def test_cumulative_and_prompt_logprobs_are_packed():
     aborted = SequenceOutput(seq_id=0, token_id=None, finish_reason=FinishReason.ABORT, cumulative_logprob=-204.5,
                              num_prompt_tokens=3, num_output_tokens=21)
     assert build_frame([("r", aborted)]).sequences[0].cumulative_logprob == -204.5
+
+
+def test_a_frame_keeps_an_ended_requests_end_before_a_reused_ids_items():
+    """A request id may be reused on a stream once its request has ended; the end and the new
+    request's first tokens can share a frame. Failures went to the frame's end (after the new
+    request's token), and a finished entry took the new request's tokens in: either way the client
+    read the old request's end as the new one's."""
+    from model_worker.engine_loop import RequestFailure
+
+    failed = RequestFailure("dup", grpc.StatusCode.INVALID_ARGUMENT, "added again while live")
+    new_token = SequenceOutput(seq_id=1, token_id=7, logprob=-0.5, num_prompt_tokens=3, num_output_tokens=1)
+    frame = build_frame([("dup", SequenceOutput(seq_id=0, token_id=5, num_output_tokens=1)), failed, ("dup", new_token)])
+    assert [(s.request_id, s.finish_reason, unpack_int32_list(s.token_ids)) for s in frame.sequences] == [
+        ("dup", pb.FINISH_REASON_UNSPECIFIED, [5]), ("dup", pb.FINISH_REASON_ERROR, []),
+        ("dup", pb.FINISH_REASON_UNSPECIFIED, [7])]
+    finished = SequenceOutput(seq_id=0, token_id=6, finish_reason=FinishReason.LENGTH, num_output_tokens=2,
+                              request_finished=True)
+    frame = build_frame([("dup", finished), ("dup", new_token)])
+    assert [(s.finish_reason, unpack_int32_list(s.token_ids)) for s in frame.sequences] == [
+        (pb.FINISH_REASON_LENGTH, [6]), (pb.FINISH_REASON_UNSPECIFIED, [7])]
