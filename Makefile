@@ -14,9 +14,18 @@ PYTEST_ARGS ?=
 # Extra flags for python -m tokenwire.stack, e.g. SERVE_ARGS="--gateway-arg=--tool-call-parser=hermes -- --model m.gguf"
 SERVE_ARGS ?=
 
-.PHONY: install proto serve test test-fast lint bench bench-install bench-peers bench-loadgen bench-side-by-side bench-ttft gpu-bundle clean
+.PHONY: FORCE install proto serve test test-fast lint bench bench-install bench-peers bench-loadgen bench-side-by-side bench-ttft gpu-bundle clean
 
-$(STAMP): pyproject.toml Makefile
+# The torch spec the venv was installed with: another TORCH_SPEC (a CUDA build after the CPU one)
+# reinstalls, where a stamp of the venv alone would keep the old torch without a word.
+TORCH_STAMP := $(VENV)/.torch-spec
+$(TORCH_STAMP): FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+FORCE:
+
+$(STAMP): pyproject.toml Makefile $(TORCH_STAMP)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)

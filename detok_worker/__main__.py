@@ -25,6 +25,7 @@ from tokenwire.grpc_server import (
     wait_quiet,
 )
 from tokenwire.sched_slice import use_serving_slice
+from tokenwire.stack import exit_with_the_stack
 from tokenwire.v1 import common_pb2, detok_worker_pb2_grpc
 
 logger = logging.getLogger("detok_worker")
@@ -61,6 +62,7 @@ async def serve(config: Config) -> None:
 
 
 def main() -> None:
+    exit_with_the_stack()  # started by `python -m tokenwire.stack`: end with it
     config = parse_config(Config, env_prefix="TOKENWIRE_DETOK_")
     pause_collections_until_frozen()  # frozen once the first tokenizer is loaded (decoding_then_freeze)
     logging.basicConfig(level=config.log_level.upper(),

@@ -29,6 +29,7 @@ from tokenwire.config_cli import parse_config
 from tokenwire.gc_heap import freeze_startup_heap, pause_collections_until_frozen
 from tokenwire.grpc_io import log_io_note
 from tokenwire.sched_slice import use_serving_slice
+from tokenwire.stack import exit_with_the_stack
 from tokenwire.tokenizer_files import num_token_ids, tokenizer_identity
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc
@@ -263,6 +264,7 @@ async def serve(config: Config) -> None:
 
 
 def main() -> None:
+    exit_with_the_stack()  # started by `python -m tokenwire.stack`: end with it
     config = parse_config(Config, env_prefix="TOKENWIRE_MODEL_WORKER_")
     pause_collections_until_frozen()  # serve() freezes the heap once the engine is built
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -69,10 +69,29 @@ class ServiceProcess:
         self.process = subprocess.Popen(self.args, env=self.process_env)
 
 
+# Set by `python -m tokenwire.stack` for its services: each exits when that launcher does, however
+# it ends (a SIGKILL left them serving, holding the port and the model's memory).
+PARENT_PID_ENV = "TOKENWIRE_STACK_PID"
+
+
 def spawn(name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> ServiceProcess:
     argv = [sys.executable, "-m", module, *args]
     full_env = {**os.environ, **(env or {})}
     return ServiceProcess(name, argv, subprocess.Popen(argv, env=full_env), full_env)
+
+
+def exit_with_the_stack() -> None:
+    """In a service: when PARENT_PID_ENV names the launcher, get SIGTERM (the usual drain) when it
+    dies (Linux's PR_SET_PDEATHSIG), or exit now if it already has. A no-op elsewhere."""
+    launcher = os.environ.get(PARENT_PID_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(launcher):  # it died before the prctl: nobody would signal us
+        raise SystemExit("the tokenwire.stack launcher that started this service has exited")
 
 
 def wait_grpc_serving(service: ServiceProcess, address: str, timeout_s: float,
@@ -130,35 +149,41 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
                 gateway_port: int | None = None, gateway_args: Sequence[str] = (),
                 timeout_s: float = 300.0, detok_args: Sequence[str] = (),
                 tls: ClientTLS | None = None, num_model_workers: int = 1,
-                model_worker_module: str = "model_worker") -> Iterator[Stack]:
+                model_worker_module: str = "model_worker", exit_with_launcher: bool = False) -> Iterator[Stack]:
     """num_model_workers model worker replicas (same args), num_detok detok replicas and the
     gateway, on free loopback ports. model_worker_module: what runs as the model worker
-    (bench/serving_path.py puts a stand-in with no model there).
+    (bench/serving_path.py puts a stand-in with no model there). exit_with_launcher: the services
+    exit when this process does, however it ends (for `python -m tokenwire.stack`, whose main
+    thread started them: Linux ties the signal to the thread that forked).
 
     With TLS, the worker args carry the --tls-* flags and gateway_args the --worker-tls-* ones;
     `tls` is what the launcher's own health probes use to reach the workers.
     """
-    mw_addrs = [f"{host}:{free_port()}" for _ in range(num_model_workers)]
-    detok_addrs = [f"{host}:{free_port()}" for _ in range(num_detok)]
+    # The workers' gRPC has no API keys: they listen on loopback only, whatever `host` opens the
+    # gateway to (as compose.yaml publishes them).
+    worker_host = "127.0.0.1"
+    mw_addrs = [f"{worker_host}:{free_port()}" for _ in range(num_model_workers)]
+    detok_addrs = [f"{worker_host}:{free_port()}" for _ in range(num_detok)]
     port = gateway_port or free_port()
     stack = Stack(mw_addrs, detok_addrs, f"http://{host}:{port}")
+    env = {PARENT_PID_ENV: str(os.getpid())} if exit_with_launcher else None
     try:
         mws = []
         for addr in mw_addrs:
-            mws.append(spawn("model_worker", model_worker_module, ["--host", host, "--port", addr.rsplit(":", 1)[1],
-                                                              *model_worker_args]))
+            mws.append(spawn("model_worker", model_worker_module,
+                             ["--host", worker_host, "--port", addr.rsplit(":", 1)[1], *model_worker_args], env))
             stack.services.append(mws[-1])
         detoks = []
         for addr in detok_addrs:
-            detoks.append(spawn("detok_worker", "detok_worker", ["--host", host, "--port", addr.rsplit(":", 1)[1],
-                                                                 *detok_args]))
+            detoks.append(spawn("detok_worker", "detok_worker",
+                                ["--host", worker_host, "--port", addr.rsplit(":", 1)[1], *detok_args], env))
             stack.services.append(detoks[-1])
         for d, addr in zip(detoks, detok_addrs, strict=True):
             wait_grpc_serving(d, addr, timeout_s, tls)
         for mw, addr in zip(mws, mw_addrs, strict=True):
             wait_grpc_serving(mw, addr, timeout_s, tls)
         gw = spawn("gateway", "gateway", ["--host", host, "--port", str(port), "--model-workers", ",".join(mw_addrs),
-                                          "--detok-workers", ",".join(detok_addrs), *gateway_args])
+                                          "--detok-workers", ",".join(detok_addrs), *gateway_args], env)
         stack.services.append(gw)
         wait_http_ok(gw, f"{stack.gateway_url}/health", timeout_s)
         yield stack
@@ -182,7 +207,8 @@ def one_host_worker_threads(num_model_workers: int = 1) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="Start model worker, detok worker(s) and gateway.")
+    parser = argparse.ArgumentParser(prog="python -m tokenwire.stack",
+                                     description="Start model worker, detok worker(s) and gateway.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     parser.add_argument("--num-detok", type=int, default=1)
@@ -202,14 +228,30 @@ def main() -> int:
         nonlocal stopping
         stopping = True
 
+    try:  # before loading a model, not after: another server on the port would answer our /health
+        socket.create_server((args.host, args.port)).close()
+    except OSError as exc:
+        print(f"cannot serve on {args.host}:{args.port}: {exc.strerror} (another server there? PORT=... picks "
+              "another)", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with start_stack(extra, args.num_detok, args.host, args.port, gateway_args=args.gateway_arg,
-                     num_model_workers=args.num_model_workers) as stack:
+    try:
+        return _serve(args, extra, lambda: stopping)
+    except ServiceFailedToStart:
+        if not stopping:
+            raise
+        print("stopped during start-up", file=sys.stderr)  # Ctrl-C reached the services too
+        return 130
+
+
+def _serve(args: argparse.Namespace, model_worker_args: list[str], stopping: Callable[[], bool]) -> int:
+    with start_stack(model_worker_args, args.num_detok, args.host, args.port, gateway_args=args.gateway_arg,
+                     num_model_workers=args.num_model_workers, exit_with_launcher=True) as stack:
         print(f"tokenwire is up: OpenAI API at {stack.gateway_url}/v1 "
               f"(model workers {','.join(stack.model_worker_addresses)}, detok {','.join(stack.detok_addresses)})",
               flush=True)
-        while not stopping:
+        while not stopping():
             for service in stack.services:
                 if service.process.poll() is not None:
                     print(f"{service.name} exited with code {service.process.returncode}; stopping",
