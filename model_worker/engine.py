@@ -441,6 +441,7 @@ class LLMEngine:
         raw_logprobs = sampled.raw_logprobs.tolist() if sampled.raw_logprobs is not None else None
         top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
         top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        no_token_left = sampled.no_token_left.tolist() if sampled.no_token_left is not None else None
         outputs = []
         for row, seq in enumerate(seqs):
             token = token_ids[row]
@@ -475,12 +476,17 @@ class LLMEngine:
                     self._advance_grammar(seq, matcher, token)
                 elif wait.opener is None and tuple(seq.output_token_ids[-len(wait.after):]) == wait.after:
                     del self._grammar_waits[seq.seq_id]  # from the next token on
+            if no_token_left is not None and no_token_left[row]:
+                # Every token masked (allowed_token_ids against bad_words, or against min_tokens
+                # holding off its stop ids): the drawn id is arbitrary, sent with the error, as a
+                # grammar's dead end is.
+                seq.finish_reason, seq.stop_token_id = FinishReason.ERROR, None
             out.num_output_tokens = len(seq.output_token_ids)
             if seq.is_finished:
                 out.finish_reason, out.stop_token_id = seq.finish_reason, seq.stop_token_id
                 if seq.finish_reason == FinishReason.ERROR:
-                    out.error = ("no token was left that both the structured output's grammar and the request's "
-                                 "allowed_token_ids, bad_words and logit_bias allow")
+                    out.error = ("no token was left that the request's allowed_token_ids, bad_words, min_tokens (which "
+                                 "holds off the stop ids) and structured output grammar all allow")
             outputs.append(out)
         return outputs
 

@@ -14,7 +14,7 @@ import torch
 
 from model_worker.engine import LLMEngine, RequestRejected
 from model_worker.model_runner import ModelRunner
-from model_worker.sequence import LogprobsMode, SamplerOrder, SamplingParams
+from model_worker.sequence import FinishReason, LogprobsMode, SamplerOrder, SamplingParams
 
 CPU = torch.device("cpu")
 
@@ -276,3 +276,27 @@ def test_invalid_sampling_params_are_rejected_with_their_name(runner, params, ma
         engine.add_request(1, [1, 2, 3], params, max_tokens, [], True)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.message
+
+
+@pytest.mark.parametrize(("sampling", "stop", "ignore_eos"), [
+    # a two-token bad word bans the only allowed token once its first token is out
+    (SamplingParams(allowed_token_ids=(81,), bad_words=((81, 81),)), [], True),
+    # min_tokens holds off the stop ids, and they are all that allowed_token_ids leaves
+    (SamplingParams(allowed_token_ids=(83,), min_tokens=1), [83], False),
+    (SamplingParams(temperature=1.0, seed=1, allowed_token_ids=(2, 83), min_tokens=2), [83], False),
+], ids=["bad-word", "min-tokens-greedy", "min-tokens-sampled"])
+def test_a_sample_whose_own_masks_leave_no_token_ends_with_an_error(runner, sampling, stop, ignore_eos):
+    """Every logit -inf: the draw was token 0, outside allowed_token_ids, streamed on without a
+    word (every second token, in the bad-word case). Now the sample ends there with an error, as a
+    grammar's dead end does, beside a request that goes on untouched."""
+    engine = LLMEngine(runner, [2], max_num_seqs=16, max_num_batched_tokens=512, max_waiting_requests=100)
+    engine.add_request(1, [1, 4093, 198, 19556], sampling, 6, stop, ignore_eos)
+    engine.add_request(2, [1, 4093, 198, 19556], SamplingParams(allowed_token_ids=(81, 82)), 6, [], True)
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    mine = [o for o in outputs if o.seq_id == 1]
+    assert mine[-1].finish_reason == FinishReason.ERROR and "no token was left" in mine[-1].error
+    assert all(o.token_id in sampling.allowed_token_ids for o in mine[:-1])
+    other = [o for o in outputs if o.seq_id == 2]
+    assert len(other) == 6 and {o.token_id for o in other} <= {81, 82} and other[-1].finish_reason == FinishReason.LENGTH

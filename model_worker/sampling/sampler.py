@@ -39,13 +39,18 @@ class SamplerOutput:
     raw_logprobs: torch.Tensor | None  # [S] float32, the raw model's, for cumulative_logprob
     top_token_ids: torch.Tensor | None  # [S, K] long, K = the batch's largest top_logprobs
     top_logprobs: torch.Tensor | None  # [S, K] float32
+    # [S] bool, True where the row's own masks left no token (allowed_token_ids against its bad
+    # words, or against min_tokens holding off its stop ids): the drawn id is then arbitrary (0),
+    # and the engine ends that sample with an error. None: no row has allowed_token_ids.
+    no_token_left: torch.Tensor | None = None
 
     def to_host(self) -> SamplerOutput:
         """The same tensors on the CPU, with one host sync for all of them: each device tensor is
         queued as a non-blocking copy (into pinned memory) and the stream is waited on once, where
         a .tolist() per tensor would wait once each (up to five per step). CPU tensors come back
         as they are."""
-        fields = (self.token_ids, self.logprobs, self.raw_logprobs, self.top_token_ids, self.top_logprobs)
+        fields = (self.token_ids, self.logprobs, self.raw_logprobs, self.top_token_ids, self.top_logprobs,
+                  self.no_token_left)
         device = self.token_ids.device  # the sampler makes them all on one device
         if device.type == "cpu":
             return self
@@ -98,6 +103,12 @@ class Sampler:
             final = self._process(batch, logits, seqs, allowed_token_bitmask)
             token_ids = self._draw(batch, final)
             out = self._logprobs(batch, logits, final, token_ids)
+            if batch.allowed_rows is not None:
+                # Only allowed_token_ids can leave a row empty (the vocabulary is too large for bad
+                # words or stop ids to, and no filter drops the best token); a grammar's dead end
+                # the engine finds in its matcher. Checked on those rows only: a [S, V] max a step.
+                out.no_token_left = torch.zeros(len(seqs), dtype=torch.bool, device=final.device).index_copy_(
+                    0, batch.allowed_rows, final.index_select(0, batch.allowed_rows).amax(-1) == NEG_INF)
         batch.state.append(token_ids)
         batch.expected_num_tokens = [n + 1 for n in batch.expected_num_tokens]
         return out
