@@ -7,7 +7,6 @@ uses to reach the served model, live here so both route modules share them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -25,7 +24,7 @@ from gateway.openai_requests import (
     template_tools_of,
 )
 from gateway.pipeline import Pipeline
-from gateway.prompt_tokenizer import PromptTokenizer
+from gateway.prompt_tokenizer import PromptTokenizer, off_loop_if_large
 from gateway.request_mapping import chat_messages_of, check_token_ids
 from gateway.token_rendering import TokenRenderer
 from tokenwire.v1.model_worker_pb2 import WorkerLoad
@@ -110,15 +109,16 @@ def ops_router(error_responses: dict[int | str, dict[str, Any]]) -> APIRouter:
             return TokenizeResponse(count=len(ids), max_model_len=pipeline.model_info.max_model_len, tokens=ids,
                                     token_strs=[tokenizer.token_text(t) for t in ids] if body.return_token_strs
                                     else None).model_dump_json()
-        return await _json_off_loop_if_long(len(ids), answer)
+        return _json(await off_loop_if_large(len(ids), INLINE_ANSWER_MAX_TOKENS, answer))
 
     @router.post("/detokenize", responses=error_responses)
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         pipeline = pipeline_for(request, body.model)
         check_token_ids(body.tokens, pipeline.model_info.vocab_size, param="tokens")
         tokenizer = tokenizer_of(pipeline)
-        return await _json_off_loop_if_long(
-            len(body.tokens), lambda: DetokenizeResponse(prompt=tokenizer.decode(body.tokens)).model_dump_json())
+        return _json(await off_loop_if_large(
+            len(body.tokens), INLINE_ANSWER_MAX_TOKENS,
+            lambda: DetokenizeResponse(prompt=tokenizer.decode(body.tokens)).model_dump_json()))
 
     return router
 
@@ -129,8 +129,7 @@ def ops_router(error_responses: dict[int | str, dict[str, Any]]) -> APIRouter:
 INLINE_ANSWER_MAX_TOKENS = 1024
 
 
-async def _json_off_loop_if_long(num_tokens: int, answer: Callable[[], str]) -> Response:
-    body = answer() if num_tokens <= INLINE_ANSWER_MAX_TOKENS else await asyncio.to_thread(answer)
+def _json(body: str) -> Response:
     return Response(body, media_type="application/json")
 
 

@@ -397,7 +397,6 @@ class LLMEngine:
                         if not other.is_finished:
                             other.finish_reason = FinishReason.ABORT
                         self._release(other)
-                        group.ended.add(other.sample_index)
                 del self.groups[group.request_id]
                 out.request_finished = True
                 routed.append(out)
