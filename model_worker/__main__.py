@@ -6,10 +6,13 @@ Wires model_files -> ModelRunner -> LLMEngine -> EngineLoop -> ModelWorkerServic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 from pathlib import Path
 
+import grpc
 import torch
 
 from model_worker.config import Config
@@ -200,13 +203,44 @@ async def drain(servicer: ModelWorkerServicer) -> None:
     servicer.begin_drain()
 
 
-async def watch_engine(loop: EngineLoop, health, poll_s: float = 1.0) -> None:
-    """Health NOT_SERVING for good once the engine cannot serve (EngineLoop.healthy): the
-    gateway stops sending here, and an orchestrator's probe restarts the process."""
+async def watch_engine(loop: EngineLoop, health, step_timeout_s: float = 0.0, poll_s: float = 1.0) -> str | None:
+    """Health NOT_SERVING for good once the engine cannot serve: the gateway stops sending here,
+    and an orchestrator's probe restarts the process. Returns None once EngineLoop.healthy is
+    false (its steps keep failing, or its thread ended), or why the engine is hung once a step has
+    run past step_timeout_s (0: never checked): serve() then ends the worker (exit_hung)."""
     while loop.healthy:
+        running_s = loop.step_running_s if step_timeout_s else 0.0
+        if running_s > step_timeout_s:
+            logger.error("the engine's step has run %.1fs (--step-timeout-s %g); the engine thread is at:\n%s",
+                         running_s, step_timeout_s, loop.engine_thread_stack())
+            await grpc_server.mark_not_serving(health, [SERVICE_NAME])
+            return (f"the model worker's engine step has not returned in {running_s:.0f}s (--step-timeout-s "
+                    f"{step_timeout_s:g}): taken as hung, the worker exits to be restarted")
         await asyncio.sleep(poll_s)
     logger.error("the engine cannot serve (its steps keep failing, or its thread ended): health NOT_SERVING")
     await grpc_server.mark_not_serving(health, [SERVICE_NAME])
+    return None
+
+
+# After a hung step, how long the Generate calls get to send their UNAVAILABLE before the exit.
+HUNG_FLUSH_S = 1.0
+HUNG_EXIT_STATUS = 1
+# os._exit: the engine thread cannot be stopped or joined, so a normal exit would wait for it
+# forever (interpreter shutdown joins an executor's threads). Tests replace it.
+exit_process = os._exit
+
+
+async def exit_hung(servicer: ModelWorkerServicer, server: grpc.aio.Server, why: str) -> None:
+    """A hung engine step: every request of the worker waits on it, and nothing can cancel it.
+    Each Generate call ends with UNAVAILABLE and why (the gateway fails its requests with that at
+    once, where they would wait for their clients' time-outs), then the process exits for its
+    supervisor (tokenwire.stack, Kubernetes, compose) to start a new one, as SGLang's watchdog."""
+    servicer.fail_streams(grpc.StatusCode.UNAVAILABLE, why)
+    with contextlib.suppress(Exception):
+        await server.stop(HUNG_FLUSH_S)  # the calls end by themselves; then the rest is cancelled
+    logger.critical("exiting with status %d: %s", HUNG_EXIT_STATUS, why)
+    logging.shutdown()
+    exit_process(HUNG_EXIT_STATUS)
 
 
 def check_served_model_files(model: str) -> None:
@@ -252,13 +286,17 @@ async def serve(config: Config) -> None:
         model_worker_pb2_grpc.add_ModelWorkerServicer_to_server(servicer, server)
         health = grpc_server.add_health_and_reflection(server, [SERVICE_NAME])
         await grpc_server.mark_serving(health, [SERVICE_NAME])
-        watcher = asyncio.create_task(watch_engine(loop, health))
+        watcher = asyncio.create_task(watch_engine(loop, health, config.step_timeout_s))
+        serving = asyncio.create_task(grpc_server.serve_until_signal(
+            server, config.address, config.drain_grace_s, config.tls, health, drained=lambda: drain(servicer)))
         try:
-            await grpc_server.serve_until_signal(
-                server, config.address, config.drain_grace_s, config.tls, health,
-                drained=lambda: drain(servicer))
+            await asyncio.wait({watcher, serving}, return_when=asyncio.FIRST_COMPLETED)
+            if not serving.done() and (why := watcher.result()) is not None:
+                await exit_hung(servicer, server, why)
+            await serving
         finally:
             watcher.cancel()
+            serving.cancel()
     finally:
         await loop.stop()
 

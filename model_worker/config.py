@@ -109,6 +109,13 @@ class Config(WorkerServerOptions):
                 "with the Triton kernels, 2.8x on torch ops). Ignored on a "
                 "CPU, for models run through the transformers fallback, and with --batch-invariant, which keeps "
                 "its fixed shapes"})
+    step_timeout_s: float = field(default=300.0, metadata={
+        "help": "a step (one batch's forward and sampling) that has run this long is taken as hung (a device "
+                "that stopped answering, a kernel that never returns, while gRPC and health still answer): the "
+                "worker logs the engine thread's stack, turns NOT_SERVING, ends its Generate calls with "
+                "UNAVAILABLE and exits with status 1 for its supervisor to restart it (SGLang's "
+                "--watchdog-timeout); raise it for a model whose longest step (a --max-num-batched-tokens "
+                "prefill chunk) may take longer; 0: never"})
     seed: int = field(default=0, metadata={"help": "seed of the shared generator used by unseeded requests"})
     served_model_name: str = field(default="", metadata={"help": "model id to report; default from --model"})
     cache_dir: str = field(default_factory=_default_cache_dir, metadata={
@@ -134,6 +141,8 @@ class Config(WorkerServerOptions):
             # oldest sequences would take it every step and the newest would stall until they end.
             raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
                              f"({self.max_num_seqs}): each running sequence decodes one token a step")
+        if not self.step_timeout_s >= 0.0:  # NaN too
+            raise ValueError(f"--step-timeout-s must be >= 0 (0: never), not {self.step_timeout_s}")
         if self.max_model_len < 0 or self.num_threads < 0:
             raise ValueError("--max-model-len and --num-threads must be >= 0")
         if self.kv_cache_tokens < 0 or self.kv_cache_memory_bytes < 0:

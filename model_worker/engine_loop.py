@@ -27,6 +27,8 @@ import itertools
 import logging
 import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -223,6 +225,10 @@ class EngineLoop:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread_done: asyncio.Future | None = None
         self._failed_steps_in_a_row = 0  # engine thread writes, anyone reads
+        # engine thread writes, anyone reads: when the step now running began (time.monotonic()),
+        # None between steps; and the thread's id, for its stack (see step_running_s)
+        self._step_began: float | None = None
+        self._engine_thread_id: int | None = None
 
     @property
     def healthy(self) -> bool:
@@ -233,6 +239,20 @@ class EngineLoop:
         if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
             return False
         return self._thread_done is None or not self._thread_done.done() or self._stopping
+
+    @property
+    def step_running_s(self) -> float:
+        """How long the step now running has run (0 between steps). Torch releases the GIL in its
+        ops, so a step stuck in one (a device that stopped answering, a kernel that never returns)
+        leaves the event loop and health answering while no request moves: this is how the worker
+        sees it (model_worker.__main__.watch_engine, --step-timeout-s)."""
+        began = self._step_began
+        return 0.0 if began is None else time.monotonic() - began
+
+    def engine_thread_stack(self) -> str:
+        """Where the engine thread is now, as traceback's lines: logged when a step hangs."""
+        frame = sys._current_frames().get(self._engine_thread_id) if self._engine_thread_id is not None else None
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(the engine thread is not running)"
 
     def start(self) -> None:
         self._event_loop = asyncio.get_running_loop()
@@ -543,11 +563,16 @@ class EngineLoop:
     def _run(self) -> None:
         """The engine thread, until stop(): apply what is pending, step, hand the outputs over
         (without waiting for the event loop to take them), again; sleep while there is no work."""
+        self._engine_thread_id = threading.get_ident()
         while not self._stopping:
             try:
                 self._apply_pending()
                 if self.engine.has_work():
-                    outputs = self.engine.step()
+                    self._step_began = time.monotonic()
+                    try:
+                        outputs = self.engine.step()
+                    finally:
+                        self._step_began = None
                     self._passes += 1
                     self._route(outputs)
                     self._failed_steps_in_a_row = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -24,6 +25,14 @@ from tokenwire.v1 import model_worker_pb2_grpc
 logger = logging.getLogger(__name__)
 
 _STREAM_CLOSED = object()
+
+
+@dataclass(frozen=True)
+class _StreamFailed:
+    """Queued by fail_streams: the Generate call ends with this status after what came before it."""
+
+    code: grpc.StatusCode
+    message: str
 
 
 def _off_as(value: float, off: float) -> float:
@@ -210,6 +219,17 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
         for outbox in self._streams:
             outbox.queue.put_nowait(_STREAM_CLOSED)
 
+    def fail_streams(self, code: grpc.StatusCode, message: str) -> None:
+        """Ends every open Generate call with this status (after the frames already queued), its
+        requests with it: for a worker that can serve none of them any more (a hung step), so that
+        the gateway fails them at once with the reason, not when its clients give up."""
+        for outbox in self._streams:
+            outbox.queue.put_nowait(_StreamFailed(code, message))
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
     def is_drained(self) -> bool:
         """Nothing left to send: no request of any open stream is live, and no output of one
         waits in its queue or is being framed. The engine having no work is not enough: its last
@@ -257,9 +277,14 @@ class ModelWorkerServicer(model_worker_pb2_grpc.ModelWorkerServicer):
                     # The client is done sending; keep streaming until its requests end.
                     input_closed = True
                     items = [i for i in items if i is not _STREAM_CLOSED]
+                failed = next((i for i in items if isinstance(i, _StreamFailed)), None)
+                if failed is not None:
+                    items = [i for i in items if not isinstance(i, _StreamFailed)]
                 if items:
                     yield build_frame(items)  # resumes once gRPC has taken the frame
                 outbox.framing = False
+                if failed is not None:
+                    await context.abort(failed.code, failed.message)
         finally:
             self._streams.discard(outbox)
             # Cancelled or finished: anything still live would otherwise run for nobody.

@@ -1,0 +1,210 @@
+"""A step that never returns (--step-timeout-s): torch releases the GIL inside its ops, so a stuck
+one leaves gRPC and health answering while no request moves. The worker must see it, say
+NOT_SERVING, end its Generate calls with UNAVAILABLE and the reason, and exit to be restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2
+
+from model_worker import __main__ as model_worker_main
+from model_worker.engine_loop import EngineLoop, StreamOutbox
+from model_worker.servicer import ModelWorkerServicer
+from tests.test_engine_loop import ScriptedEngine, collect_first, new_request
+from tokenwire.stack import free_port
+from tokenwire.v1 import model_worker_pb2 as pb
+from tokenwire.v1 import model_worker_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class HangingEngine(ScriptedEngine):
+    """A ScriptedEngine whose step number hang_at waits (GIL released) until released."""
+
+    def __init__(self, hang_at: int) -> None:
+        super().__init__()
+        self.hang_at = hang_at
+        self.release = threading.Event()
+        self.hanging = threading.Event()
+
+    def step(self):
+        if self.steps + 1 == self.hang_at:
+            self.hanging.set()
+            self.release.wait()
+        return super().step()
+
+
+async def test_a_step_that_runs_past_the_timeout_is_reported_hung_with_the_engine_threads_stack():
+    engine = HangingEngine(hang_at=3)
+    loop = EngineLoop(engine)
+    loop.start()
+    health_servicer = health.aio.HealthServicer()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    try:
+        assert loop.step_running_s == 0.0
+        outbox = StreamOutbox()
+        loop.add(outbox, new_request("r", 100))
+        watcher = asyncio.create_task(model_worker_main.watch_engine(loop, health_servicer, 0.3, poll_s=0.01))
+        assert await asyncio.to_thread(engine.hanging.wait, 10)
+        await asyncio.sleep(0.1)
+        assert not watcher.done()  # running, not yet past the timeout
+        assert 0.05 < loop.step_running_s < 0.3
+        stack = loop.engine_thread_stack()
+        assert "in step" in stack and "release.wait()" in stack, stack
+        why = await asyncio.wait_for(watcher, 5)
+        assert why is not None and "hung" in why and "--step-timeout-s 0.3" in why, why
+        request = health_pb2.HealthCheckRequest(service="")
+        assert (await health_servicer.Check(request, None)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        engine.release.set()
+        await loop.stop()
+
+
+async def test_steps_shorter_than_the_timeout_and_a_timeout_of_zero_never_report_a_hang():
+    engine = ScriptedEngine(step_s=0.02)
+    loop = EngineLoop(engine)
+    loop.start()
+    health_servicer = health.aio.HealthServicer()
+    try:
+        outbox = StreamOutbox()
+        loop.add(outbox, new_request("r", 30))
+        watchers = [asyncio.create_task(model_worker_main.watch_engine(loop, health_servicer, timeout, poll_s=0.005))
+                    for timeout in (0.2, 0.0)]
+        await collect_first(outbox)
+        await asyncio.sleep(0.5)  # 25 steps of 20 ms
+        assert engine.steps >= 10 and not any(w.done() for w in watchers)
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+        await loop.stop()
+
+
+class AbortingContext:
+    """grpc.aio's ServicerContext.abort, as far as Generate uses it: records, then raises."""
+
+    def __init__(self) -> None:
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.aborted = (code, details)
+        raise grpc.aio.AbortError()
+
+
+async def test_fail_streams_ends_each_generate_call_with_the_status_after_its_queued_frames():
+    engine = HangingEngine(hang_at=3)
+    loop = EngineLoop(engine)
+    loop.start()
+    servicer = ModelWorkerServicer(loop, pb.ModelInfo())
+    client_open = asyncio.Event()
+
+    async def requests():
+        yield pb.RequestFrame(adds=[pb.AddRequest(request_id="r", prompt_token_ids=[1, 2], max_tokens=50)])
+        await client_open.wait()
+
+    context = AbortingContext()
+    tokens = 0
+    try:
+        call = servicer.Generate(requests(), context)
+        first = await asyncio.wait_for(anext(call), 10)
+        tokens += sum(len(seq.token_ids) // 4 for seq in first.sequences)
+        assert await asyncio.to_thread(engine.hanging.wait, 10)
+        assert servicer.open_streams == 1
+        servicer.fail_streams(grpc.StatusCode.UNAVAILABLE, "the step is hung")
+        with pytest.raises(grpc.aio.AbortError):
+            async for frame in call:
+                tokens += sum(len(seq.token_ids) // 4 for seq in frame.sequences)
+        assert context.aborted == (grpc.StatusCode.UNAVAILABLE, "the step is hung")
+        assert tokens == 2  # the two steps before the hung one, framed before the end
+        assert servicer.open_streams == 0
+    finally:
+        engine.release.set()
+        await loop.stop()
+
+
+# Runs the real model worker with LLMEngine.step patched: once a request with HANG_PROMPT has been
+# added, its fourth step never returns (waiting on an Event, the GIL released, as a stuck torch op).
+HANG_PROMPT = [1, 2, 3, 4, 5]
+HANGING_WORKER = f"""
+import sys, threading
+from model_worker import engine as engine_module
+from model_worker.__main__ import main
+
+real_add, real_step = engine_module.LLMEngine.add_request, engine_module.LLMEngine.step
+steps_of_marked = []
+
+def add_request(self, seq_id, prompt_token_ids, *args, **kwargs):
+    if list(prompt_token_ids) == {HANG_PROMPT}:
+        steps_of_marked.append(0)
+    return real_add(self, seq_id, prompt_token_ids, *args, **kwargs)
+
+def step(self):
+    if steps_of_marked:
+        steps_of_marked[0] += 1
+        if steps_of_marked[0] == 4:
+            threading.Event().wait()
+    return real_step(self)
+
+engine_module.LLMEngine.add_request, engine_module.LLMEngine.step = add_request, step
+sys.argv = ["model_worker", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.slow
+def test_a_model_worker_whose_step_hangs_fails_its_streams_and_exits(tiny_model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    log_path = tmp_path / "model_worker.log"
+    log_file = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-c", HANGING_WORKER, "--port", str(port), "--model", str(tiny_model_dir),
+         "--load-format", "dummy", "--num-threads", "1", "--device", "cpu", "--step-timeout-s", "1"],
+        cwd=REPO_ROOT, stderr=log_file)
+    address = f"127.0.0.1:{port}"
+    try:
+        from tokenwire.stack import ServiceProcess, wait_grpc_serving
+
+        wait_grpc_serving(ServiceProcess("model_worker", [], process), address, 120)
+        with grpc.insecure_channel(address) as channel:
+            stub = model_worker_pb2_grpc.ModelWorkerStub(channel)
+            ok = pb.AddRequest(request_id="ok", prompt_token_ids=[1, 2], max_tokens=2, ignore_eos=True)
+            ok_done = [seq for frame in stub.Generate(iter([pb.RequestFrame(adds=[ok])]))
+                       for seq in frame.sequences if seq.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+            assert [seq.finish_reason for seq in ok_done] == [pb.FINISH_REASON_LENGTH]
+
+            frames_open = threading.Event()
+
+            def requests():
+                yield pb.RequestFrame(adds=[pb.AddRequest(request_id="hangs", prompt_token_ids=HANG_PROMPT,
+                                                          max_tokens=100, ignore_eos=True)])
+                frames_open.wait(60)  # the client keeps its side open
+
+            tokens = 0
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as failed:
+                for frame in stub.Generate(requests(), timeout=60):
+                    tokens += sum(len(seq.token_ids) // 4 for seq in frame.sequences)
+            failed_after = time.monotonic() - started
+            frames_open.set()
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+        assert "has not returned" in failed.value.details() and "hung" in failed.value.details(), failed.value
+        assert tokens == 3  # the three steps before the hung one
+        # 1 s of timeout, up to 1 s until the watcher's next look; not the client's 60 s
+        assert failed_after < 10, failed_after
+        assert process.wait(30) == model_worker_main.HUNG_EXIT_STATUS
+        log = log_path.read_text()
+        assert "the engine thread is at" in log and ", in step\n" in log and "in _run\n" in log, log[-3000:]
+        print(f"\n[figure] a hung step (--step-timeout-s 1): its stream ended UNAVAILABLE {failed_after:.2f}s "
+              "after the request was sent; the worker exited with status 1")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log_file.close()
