@@ -1,22 +1,82 @@
 """Entry point: `python -m gateway --port 8000 --model-workers HOST:PORT,... --detok-workers HOST:PORT,...`.
 
-Builds the one Config from flags and TOKENWIRE_GATEWAY_* env, then serves create_app(config)
-with uvicorn; the app's lifespan waits for the workers before accepting requests.
+Builds the one Config from flags and TOKENWIRE_GATEWAY_* env, waits for the workers, then
+serves create_app(config) with uvicorn.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 
 import uvicorn
 
 from gateway.app import create_app
 from gateway.config import Config
+from gateway.pipeline import Pipeline
 from tokenwire.config_cli import parse_config
 from tokenwire.gc_heap import pause_collections_until_frozen
 from tokenwire.grpc_io import log_io_note
 from tokenwire.sched_slice import use_serving_slice
 from tokenwire.stack import exit_with_the_stack
+
+logger = logging.getLogger("gateway")
+
+# uvicorn's code for a failed start (its lifespan's), kept for a gateway whose workers never came
+STARTUP_FAILURE = 3
+
+
+async def connect_unless_stopped(config: Config, app) -> int | None:
+    """Waits for the workers (up to --startup-timeout-s) before uvicorn starts, and puts the
+    pipeline on app.state for the lifespan. SIGINT/SIGTERM meanwhile ends the wait at once
+    (returns 128 + the signal's number): under uvicorn, which holds signals until its lifespan has
+    started, the gateway went on waiting up to --startup-timeout-s (300 s) after a SIGTERM."""
+    loop = asyncio.get_running_loop()
+    connecting = asyncio.create_task(Pipeline.connect(config, app.state.metrics))
+    signals: list[int] = []
+
+    def stop(sig: int) -> None:
+        signals.append(sig)
+        connecting.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop, sig)
+    try:
+        app.state.pipeline = await connecting
+    except asyncio.CancelledError:
+        if not signals:
+            raise
+        logger.info("%s while waiting for the workers: stopped", signal.Signals(signals[0]).name)
+        return 128 + signals[0]
+    except Exception as exc:  # the workers did not come within --startup-timeout-s, or refused
+        logger.error("not serving: %s", exc)
+        return STARTUP_FAILURE
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return None
+
+
+async def serve(config: Config) -> int:
+    app = create_app(config, freeze_heap=True)
+    # On SIGTERM uvicorn stops accepting, lets open requests (streams included) finish for up to
+    # drain_grace_s, then runs the lifespan's shutdown.
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        timeout_graceful_shutdown=config.drain_grace_s,
+        # h11, even where httptools is installed (uvicorn's "auto" would take it): httptools drops
+        # the body of a POST that offers an upgrade (Java's HttpClient and curl --http2 send
+        # "Upgrade: h2c"; uvicorn #2722, httptools #124) and sets no limit on a header's size. It
+        # was 0.37 ms faster to the first token (README, "TTFT the gateway and the detok worker add").
+        http="h11",
+        access_log=False,  # gateway.access logs each request with latency and token counts
+        ssl_certfile=config.tls_cert_file or None, ssl_keyfile=config.tls_key_file or None))
+    stopped = await connect_unless_stopped(config, app)
+    if stopped is not None:
+        return stopped
+    await server.serve()
+    return 0 if server.started else STARTUP_FAILURE
 
 
 def main() -> None:
@@ -26,17 +86,7 @@ def main() -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_io_note()
     use_serving_slice(config, "gateway", whole_process=True)  # uvicorn and gRPC start theirs later: they inherit it
-    # On SIGTERM uvicorn stops accepting, lets open requests (streams included) finish for up to
-    # drain_grace_s, then runs the lifespan's shutdown.
-    uvicorn.run(create_app(config, freeze_heap=True), host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=config.drain_grace_s,
-                # h11, even where httptools is installed (uvicorn's "auto" would take it): httptools drops
-                # the body of a POST that offers an upgrade (Java's HttpClient and curl --http2 send
-                # "Upgrade: h2c"; uvicorn #2722, httptools #124) and sets no limit on a header's size. It
-                # was 0.37 ms faster to the first token (README, "TTFT the gateway and the detok worker add").
-                http="h11",
-                access_log=False,  # gateway.access logs each request with latency and token counts
-                ssl_certfile=config.tls_cert_file or None, ssl_keyfile=config.tls_key_file or None)
+    raise SystemExit(asyncio.run(serve(config)))
 
 
 if __name__ == "__main__":

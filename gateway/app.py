@@ -101,7 +101,9 @@ def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pipeline = await Pipeline.connect(config, metrics)
+        # gateway.__main__ connects before uvicorn starts (where a signal can end the wait); an app
+        # served otherwise connects here
+        pipeline = getattr(app.state, "pipeline", None) or await Pipeline.connect(config, metrics)
         app.state.pipeline = pipeline
         app.state.served_model_name = config.served_model_name or pipeline.model_info.model_id
         app.state.created = int(time.time())

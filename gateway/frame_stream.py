@@ -25,6 +25,22 @@ class ResetStream(Exception):
     owner forgets the stream's state and fails its requests) and a new stream is opened."""
 
 
+def status_text(error: BaseException) -> str:
+    """An RPC's failure as people read it: gRPC's status and details, not AioRpcError's repr (its
+    debug string, several lines); other errors by their message."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}" if error.details() else error.code().name
+    return str(error) or type(error).__name__
+
+
+def why_lost(error: Exception) -> str:
+    """A lost stream's cause as a client may read it: gRPC's status and details, not the error's
+    repr nor the worker's address; FrameStream logs those."""
+    if isinstance(error, (grpc.aio.AioRpcError, ResetStream)):  # ResetStream: the gateway's own reason
+        return status_text(error)
+    return "the worker ended the stream"
+
+
 class FrameStream(Generic[OutFrame, InFrame]):
     """One bidi call at a time on `channel`, reopened after a failure until close()."""
 

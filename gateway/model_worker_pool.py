@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Collection
 
 from gateway.config import Config, dns_name
-from gateway.frame_stream import wait_any_connected
+from gateway.frame_stream import status_text, wait_any_connected
 from gateway.model_worker_client import ModelWorkerClient
 from tokenwire.grpc_server import CHANNEL_OPTIONS
 from tokenwire.grpc_tls import aio_channel
@@ -137,7 +137,7 @@ class ModelWorkerPool:
                 if task.done() and task.exception() is None:
                     return task.result()
             raise TimeoutError("no model worker answered GetModelInfo before --startup-timeout-s: " + "; ".join(
-                f"{r.address}: {t.exception()}" for r, t in zip(self.replicas, asks, strict=True)))
+                f"{r.address}: {status_text(t.exception())}" for r, t in zip(self.replicas, asks, strict=True)))
         finally:
             for task in asks:
                 task.cancel()

@@ -20,7 +20,7 @@ import grpc
 from gateway.config import Config
 from gateway.detok_client import ColumnRow, DetokClient
 from gateway.errors import RETRY_AFTER_S, APIError, from_grpc_code, workers_unavailable
-from gateway.frame_stream import ResetStream, wait_any_connected
+from gateway.frame_stream import wait_any_connected, why_lost
 from gateway.metrics import GatewayMetrics
 from gateway.model_worker_client import ModelWorkerClient
 from gateway.model_worker_pool import ModelWorkerPool
@@ -55,16 +55,6 @@ class _LiveRequest:
     models_full: list[ModelWorkerClient] = field(default_factory=list)
     # Some SequenceTokens of it came from a model worker (until then a lost replica loses nothing of it).
     model_replied: bool = False
-
-
-def why_lost(error: Exception) -> str:
-    """A lost stream's cause as a client may read it: gRPC's status and details, not the error's
-    repr (its debug string) nor the worker's address; FrameStream logs those."""
-    if isinstance(error, grpc.aio.AioRpcError):
-        return f"{error.code().name}: {error.details()}" if error.details() else error.code().name
-    if isinstance(error, ResetStream):  # the gateway's own reason: a stalled or outdated worker
-        return str(error)
-    return "the worker ended the stream"
 
 
 class Pipeline:

@@ -258,7 +258,7 @@ async def test_logprob_tokens_are_rendered_by_the_detok_worker_as_they_stream(pi
 def test_a_lost_stream_tells_the_client_grpc_status_not_the_error_repr() -> None:
     from grpc.aio import AioRpcError, Metadata
 
-    from gateway.pipeline import why_lost
+    from gateway.frame_stream import why_lost
 
     error = AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), Metadata(), details="Socket closed",
                         debug_error_string="UNAVAILABLE: ipv4:10.0.0.7:50051 Socket closed")

@@ -1,0 +1,68 @@
+"""The gateway process before it serves: it waits for its workers, and a signal or its start-up
+time-out ends that wait with a plain reason."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gateway.__main__ import STARTUP_FAILURE
+from tokenwire.stack import free_port
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_gateway(*flags: str, log: Path) -> subprocess.Popen:
+    """A gateway whose workers (free ports, nothing listening) never answer."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gateway", "--port", str(free_port()),
+             "--model-workers", f"127.0.0.1:{free_port()}", "--detok-workers", f"127.0.0.1:{free_port()}", *flags],
+            cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for_line(log: Path, text: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
+def test_sigterm_while_waiting_for_the_workers_stops_the_gateway_at_once(tmp_path: Path) -> None:
+    """uvicorn holds signals until the app's lifespan has started, and the lifespan waited for the
+    workers: a SIGTERM then (compose down, a rollout) went unanswered for up to --startup-timeout-s."""
+    log = tmp_path / "gateway.log"
+    gateway = start_gateway(log=log)
+    try:
+        wait_for_line(log, "serving threads ask for")  # its flags parsed, its wait begun
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        gateway.send_signal(signal.SIGTERM)
+        code = gateway.wait(10)
+        stopped_s = time.monotonic() - signalled
+    finally:
+        gateway.kill()
+        gateway.wait()
+    assert code == 128 + signal.SIGTERM, log.read_text()
+    assert "SIGTERM while waiting for the workers: stopped" in log.read_text()
+    assert stopped_s < 5, stopped_s
+    print(f"\n[figure] gateway SIGTERM while waiting for its workers: exited {stopped_s:.2f}s later")
+
+
+def test_workers_that_never_answer_end_the_start_with_their_status_in_one_line(tmp_path: Path) -> None:
+    log = tmp_path / "gateway.log"
+    gateway = start_gateway("--startup-timeout-s", "1", log=log)
+    try:
+        code = gateway.wait(30)
+    finally:
+        gateway.kill()
+        gateway.wait()
+    text = log.read_text()
+    assert code == STARTUP_FAILURE, text
+    [line] = [line for line in text.splitlines() if "not serving" in line]
+    assert "no model worker answered GetModelInfo before --startup-timeout-s" in line, text
+    assert line.endswith("DEADLINE_EXCEEDED: Deadline Exceeded"), line
+    assert "debug_error_string" not in text and "Traceback" not in text, text
