@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -207,16 +208,27 @@ async def watch_engine(loop: EngineLoop, health, step_timeout_s: float = 0.0, po
     """Health NOT_SERVING for good once the engine cannot serve: the gateway stops sending here,
     and an orchestrator's probe restarts the process. Returns None once EngineLoop.healthy is
     false (its steps keep failing, or its thread ended), or why the engine is hung once a step has
-    run past step_timeout_s (0: never checked): serve() then ends the worker (exit_hung)."""
-    while loop.healthy:
-        running_s = loop.step_running_s if step_timeout_s else 0.0
-        if running_s > step_timeout_s:
-            logger.error("the engine's step has run %.1fs (--step-timeout-s %g); the engine thread is at:\n%s",
-                         running_s, step_timeout_s, loop.engine_thread_stack())
-            await grpc_server.mark_not_serving(health, [SERVICE_NAME])
-            return (f"the model worker's engine step has not returned in {running_s:.0f}s (--step-timeout-s "
-                    f"{step_timeout_s:g}): taken as hung, the worker exits to be restarted")
-        await asyncio.sleep(poll_s)
+    run past step_timeout_s (0: never checked): serve() then ends the worker (exit_hung).
+
+    A thread that holds the GIL and never lets go (a C call stuck without releasing it) stops this
+    loop too, so nothing here could see it: faulthandler's own C thread, re-armed at each look,
+    dumps every thread's stack and exits (status 1) once the event loop has not come back for
+    step_timeout_s."""
+    try:
+        while loop.healthy:
+            if step_timeout_s:
+                faulthandler.dump_traceback_later(step_timeout_s + poll_s, exit=True)
+            running_s = loop.step_running_s if step_timeout_s else 0.0
+            if running_s > step_timeout_s:
+                logger.error("the engine's step has run %.1fs (--step-timeout-s %g); the engine thread is at:\n%s",
+                             running_s, step_timeout_s, loop.engine_thread_stack())
+                await grpc_server.mark_not_serving(health, [SERVICE_NAME])
+                return (f"the model worker's engine step has not returned in {running_s:.0f}s (--step-timeout-s "
+                        f"{step_timeout_s:g}): taken as hung, the worker exits to be restarted")
+            await asyncio.sleep(poll_s)
+    finally:
+        if step_timeout_s:
+            faulthandler.cancel_dump_traceback_later()
     logger.error("the engine cannot serve (its steps keep failing, or its thread ended): health NOT_SERVING")
     await grpc_server.mark_not_serving(health, [SERVICE_NAME])
     return None

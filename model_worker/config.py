@@ -114,7 +114,8 @@ class Config(WorkerServerOptions):
                 "that stopped answering, a kernel that never returns, while gRPC and health still answer): the "
                 "worker logs the engine thread's stack, turns NOT_SERVING, ends its Generate calls with "
                 "UNAVAILABLE and exits with status 1 for its supervisor to restart it (SGLang's "
-                "--watchdog-timeout); raise it for a model whose longest step (a --max-num-batched-tokens "
+                "--watchdog-timeout); an event loop that stops as long (a call holding the GIL) ends it too, "
+                "from faulthandler's thread; raise it for a model whose longest step (a --max-num-batched-tokens "
                 "prefill chunk) may take longer; 0: never"})
     seed: int = field(default=0, metadata={"help": "seed of the shared generator used by unseeded requests"})
     served_model_name: str = field(default="", metadata={"help": "model id to report; default from --model"})

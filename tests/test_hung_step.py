@@ -19,7 +19,7 @@ from model_worker import __main__ as model_worker_main
 from model_worker.engine_loop import EngineLoop, StreamOutbox
 from model_worker.servicer import ModelWorkerServicer
 from tests.test_engine_loop import ScriptedEngine, collect_first, new_request
-from tokenwire.stack import free_port
+from tokenwire.stack import ServiceProcess, free_port, wait_grpc_serving
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc
 
@@ -42,7 +42,26 @@ class HangingEngine(ScriptedEngine):
         return super().step()
 
 
-async def test_a_step_that_runs_past_the_timeout_is_reported_hung_with_the_engine_threads_stack():
+class FaultTimer:
+    """Stands in for faulthandler's timer in this process (a real one would end pytest's run if the
+    event loop here stalled that long): records each arming and cancel."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.armed: list[float] = []
+        self.cancelled = 0
+        monkeypatch.setattr(model_worker_main.faulthandler, "dump_traceback_later", self.arm)
+        monkeypatch.setattr(model_worker_main.faulthandler, "cancel_dump_traceback_later", self.cancel)
+
+    def arm(self, timeout: float, repeat: bool = False, file=None, exit: bool = False) -> None:
+        assert exit and not repeat
+        self.armed.append(timeout)
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+
+
+async def test_a_step_that_runs_past_the_timeout_is_reported_hung_with_the_engine_threads_stack(monkeypatch):
+    timer = FaultTimer(monkeypatch)
     engine = HangingEngine(hang_at=3)
     loop = EngineLoop(engine)
     loop.start()
@@ -63,12 +82,15 @@ async def test_a_step_that_runs_past_the_timeout_is_reported_hung_with_the_engin
         assert why is not None and "hung" in why and "--step-timeout-s 0.3" in why, why
         request = health_pb2.HealthCheckRequest(service="")
         assert (await health_servicer.Check(request, None)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        # faulthandler's exit, for a GIL held for good, was re-armed at each look and is off now
+        assert len(timer.armed) >= 10 and set(timer.armed) == {0.3 + 0.01} and timer.cancelled == 1
     finally:
         engine.release.set()
         await loop.stop()
 
 
-async def test_steps_shorter_than_the_timeout_and_a_timeout_of_zero_never_report_a_hang():
+async def test_steps_shorter_than_the_timeout_and_a_timeout_of_zero_never_report_a_hang(monkeypatch):
+    timer = FaultTimer(monkeypatch)
     engine = ScriptedEngine(step_s=0.02)
     loop = EngineLoop(engine)
     loop.start()
@@ -84,7 +106,9 @@ async def test_steps_shorter_than_the_timeout_and_a_timeout_of_zero_never_report
     finally:
         for watcher in watchers:
             watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
         await loop.stop()
+    assert set(timer.armed) == {0.2 + 0.005} and timer.cancelled == 1  # the 0.2 s watcher's alone
 
 
 class AbortingContext:
@@ -130,10 +154,13 @@ async def test_fail_streams_ends_each_generate_call_with_the_status_after_its_qu
 
 
 # Runs the real model worker with LLMEngine.step patched: once a request with HANG_PROMPT has been
-# added, its fourth step never returns (waiting on an Event, the GIL released, as a stuck torch op).
+# added, its fourth step never returns. Two ways: waiting on an Event with the GIL released (as a
+# torch op stuck on a device), or in a regular expression's exponential backtracking, which holds
+# the GIL (as a C call that never lets go of it): then the event loop stops too.
 HANG_PROMPT = [1, 2, 3, 4, 5]
-HANGING_WORKER = f"""
-import sys, threading
+HANGS = {"gil_released": "threading.Event().wait()", "gil_held": "re.match(r'(a+)+$', 'a' * 64 + 'b')"}
+HANGING_WORKER = """
+import re, sys, threading
 from model_worker import engine as engine_module
 from model_worker.__main__ import main
 
@@ -141,7 +168,7 @@ real_add, real_step = engine_module.LLMEngine.add_request, engine_module.LLMEngi
 steps_of_marked = []
 
 def add_request(self, seq_id, prompt_token_ids, *args, **kwargs):
-    if list(prompt_token_ids) == {HANG_PROMPT}:
+    if list(prompt_token_ids) == HANG_PROMPT:
         steps_of_marked.append(0)
     return real_add(self, seq_id, prompt_token_ids, *args, **kwargs)
 
@@ -149,7 +176,7 @@ def step(self):
     if steps_of_marked:
         steps_of_marked[0] += 1
         if steps_of_marked[0] == 4:
-            threading.Event().wait()
+            HANG
     return real_step(self)
 
 engine_module.LLMEngine.add_request, engine_module.LLMEngine.step = add_request, step
@@ -159,18 +186,19 @@ main()
 
 
 @pytest.mark.slow
-def test_a_model_worker_whose_step_hangs_fails_its_streams_and_exits(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("hang", list(HANGS))
+def test_a_model_worker_whose_step_hangs_fails_its_streams_and_exits(
+        hang: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     log_path = tmp_path / "model_worker.log"
     log_file = log_path.open("w")
+    script = HANGING_WORKER.replace("HANG_PROMPT", repr(HANG_PROMPT)).replace("HANG", HANGS[hang])
     process = subprocess.Popen(
-        [sys.executable, "-c", HANGING_WORKER, "--port", str(port), "--model", str(tiny_model_dir),
+        [sys.executable, "-c", script, "--port", str(port), "--model", str(tiny_model_dir),
          "--load-format", "dummy", "--num-threads", "1", "--device", "cpu", "--step-timeout-s", "1"],
         cwd=REPO_ROOT, stderr=log_file)
     address = f"127.0.0.1:{port}"
     try:
-        from tokenwire.stack import ServiceProcess, wait_grpc_serving
-
         wait_grpc_serving(ServiceProcess("model_worker", [], process), address, 120)
         with grpc.insecure_channel(address) as channel:
             stub = model_worker_pb2_grpc.ModelWorkerStub(channel)
@@ -194,15 +222,19 @@ def test_a_model_worker_whose_step_hangs_fails_its_streams_and_exits(tiny_model_
             failed_after = time.monotonic() - started
             frames_open.set()
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
-        assert "has not returned" in failed.value.details() and "hung" in failed.value.details(), failed.value
-        assert tokens == 3  # the three steps before the hung one
+        # the three steps before the hung one; with the GIL held, the last may not have gone out
+        assert tokens == 3 if hang == "gil_released" else 1 <= tokens <= 3, tokens
         # 1 s of timeout, up to 1 s until the watcher's next look; not the client's 60 s
         assert failed_after < 10, failed_after
         assert process.wait(30) == model_worker_main.HUNG_EXIT_STATUS
         log = log_path.read_text()
-        assert "the engine thread is at" in log and ", in step\n" in log and "in _run\n" in log, log[-3000:]
-        print(f"\n[figure] a hung step (--step-timeout-s 1): its stream ended UNAVAILABLE {failed_after:.2f}s "
-              "after the request was sent; the worker exited with status 1")
+        if hang == "gil_released":  # the event loop saw it: the reason, and the engine thread's stack
+            assert "has not returned" in failed.value.details() and "hung" in failed.value.details(), failed.value
+            assert "the engine thread is at" in log and ", in step\n" in log and "in _run\n" in log, log[-3000:]
+        else:  # faulthandler's thread: every thread's stack, the engine thread's in step
+            assert "Timeout (0:00:02)!" in log and 'line 18 in step\n' in log, log[-3000:]
+        print(f"\n[figure] a hung step ({hang}, --step-timeout-s 1): its stream ended UNAVAILABLE "
+              f"{failed_after:.2f}s after the request was sent; the worker exited with status 1")
     finally:
         if process.poll() is None:
             process.kill()
