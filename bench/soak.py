@@ -61,6 +61,7 @@ class StreamResult:
     status: int = 0
     response_ids: set[str] = field(default_factory=set)
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the choices' token_ids (return_token_ids)
     num_finish_chunks: int = 0
     finish_reason: str | None = None
     completion_tokens: int | None = None
@@ -144,6 +145,7 @@ async def _read_stream(client: httpx.AsyncClient, url: str, body: dict, disconne
                     if first_chunk is not None:
                         first_chunk.set()
                 result.text += choice.get("text") or ""
+                result.token_ids += choice.get("token_ids") or []
                 if choice.get("finish_reason"):
                     result.num_finish_chunks += 1
                     result.finish_reason = choice["finish_reason"]

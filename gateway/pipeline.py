@@ -307,6 +307,7 @@ class Pipeline:
             if not renders:  # its ids go as TokenColumns rows, its plain text comes back in columns
                 request.detok.assign_handle(open_)
             opens.setdefault(index, []).append(open_)
+        state.text_ids_sent += text_ids
         if not renders and request.detok.has_handle(state.request_id):
             rows.setdefault(index, []).append((state.request_id, text_ids, state.model_finished))
             return
@@ -356,6 +357,11 @@ class Pipeline:
                 self.metrics.detok_rpc_errors.labels(worker=request.detok.address, rpc="Detokenize").inc()
             self._fail(request, APIError(500, f"detokenizing failed: {delta.error}"))
             return
+        if state.skip_text_chars and delta.text:
+            # Reopened on this replica after another was lost: text the client already has.
+            cut = min(state.skip_text_chars, len(delta.text))
+            state.skip_text_chars -= cut
+            delta.text = delta.text[cut:]
         if not delta.text and not delta.finished:
             # Text held back (half a character, a possible stop string): its tokens ride
             # with the next text.
@@ -422,6 +428,44 @@ class Pipeline:
         request.detok = moved_to
         return True
 
+    def _reopen_elsewhere(self, request: _LiveRequest) -> bool:
+        """Reopens the sequences a lost detok replica had of a request on the least loaded other
+        replica: each with every id it was sent for text (and the ids still to render), its text
+        then skipped up to what the client has been given. Decoding is deterministic, so the
+        client reads on where it was. False if no other replica takes new sequences."""
+        others = [d for d in self.detoks if d.connected and d is not request.detok]
+        if not others:
+            return False
+        lost, moved_to = request.detok, min(others, key=lambda d: d.num_open_sequences)
+        lost.num_open_sequences -= len(request.states)
+        moved_to.num_open_sequences += len(request.states)
+        request.detok = moved_to
+        renders = bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
+        opens, entries, rows = [], [], []
+        for state in request.states:
+            if state.finished or not state.detok_opened:
+                continue  # ended, or opens with its first tokens, on the new replica now
+            state.num_accounted = 0  # the new replica counts the replayed ids from the first
+            state.skip_text_chars = state.num_text_chars
+            open_ = open_sequence(state.request_id, self.model_info.tokenizer, request.prompt_token_ids,
+                                  request.params)
+            if not renders:
+                moved_to.assign_handle(open_)
+            opens.append(open_)
+            ids = bytes(state.text_ids_sent)
+            if moved_to.has_handle(state.request_id):
+                rows.append((state.request_id, ids, state.model_finished))
+            else:
+                entry = detok_worker_pb2.SequenceTokenIds(sequence_id=state.request_id, token_ids=ids,
+                                                          finished=state.model_finished)
+                if renders:
+                    entry.render_token_ids = pack_int32(state.pending_render_ids)
+                entries.append(entry)
+        moved_to.send(opens, entries, rows)
+        logger.info("request %s: its detok replica %s was lost; %d sequence(s) reopened on %s", request.request_id,
+                    lost.address, len(opens), moved_to.address)
+        return True
+
     def _on_detok_lost(self, index: int, error: Exception) -> None:
         if self.metrics is not None:
             self.metrics.detok_rpc_errors.labels(worker=self.detoks[index].address, rpc="Detokenize").inc()
@@ -430,6 +474,8 @@ class Pipeline:
                 continue
             if self._move_unopened(request):
                 continue  # nothing of it was on the lost stream
+            if self._reopen_elsewhere(request):
+                continue
             for state in request.states:
                 state.finished = True  # nothing to close on a stream that is gone
             self._fail(request, workers_unavailable(f"lost the detok worker stream ({why_lost(error)})"))

@@ -85,6 +85,13 @@ class RequestState:
         self.num_events = 0
         # Ids sent to the detok worker to render (render_token_ids), in order, not yet answered.
         self.pending_render_ids: list[int] = []
+        # The ids sent to the detok worker for text (int32 LE, all of them), the characters of text
+        # the client has been given, and how many characters of the text to come were given
+        # already: a sequence whose detok replica was lost opens on another with every id again,
+        # and its replayed text is skipped up to where the client is (Pipeline._reopen_elsewhere).
+        self.text_ids_sent = bytearray()
+        self.num_text_chars = 0
+        self.skip_text_chars = 0
         self.model_finish_reason: int = model_worker_pb2.FINISH_REASON_UNSPECIFIED
         self.detok_opened = False
         self.finished = False
@@ -140,6 +147,7 @@ class RequestState:
             # at the 5th.
             num_output_tokens = self.num_emitted
         self.num_events += 1
+        self.num_text_chars += len(delta.text)
         return GenerationEvent(
             text=delta.text,
             token_ids=self.token_ids[start:end],

@@ -175,7 +175,11 @@ async def test_a_request_that_cannot_be_forwarded_fails_alone(pipeline: Pipeline
     await good.aclose()
 
 
-async def test_losing_a_detok_replica_moves_requests_that_sent_it_nothing(two_detoks: Pipeline) -> None:
+async def test_losing_a_detok_replica_moves_its_requests_and_the_client_reads_on_where_it_was(
+        two_detoks: Pipeline) -> None:
+    """A request still waiting for its first token opens on the other replica with it; one whose
+    sequence was open reopens there with every id it was sent, and the text the client already
+    has is skipped. Before, the second failed with 503 although the gateway had all its ids."""
     p, model = two_detoks, two_detoks.model
     lost, kept = p.detoks
     running, other, waiting = (p.generate([i], GenerationParams()) for i in (1, 2, 3))
@@ -183,15 +187,35 @@ async def test_losing_a_detok_replica_moves_requests_that_sent_it_nothing(two_de
     await asyncio.sleep(0)
     adds = model._take_frame().adds
     assert [p._live[a.request_id].detok for a in adds] == [lost, kept, lost]  # least loaded first
+    sequence = f"{adds[0].request_id}-0"
     p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[0].request_id, 0, [4])]))
+    p._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "ab", num_tokens=1)]))
+    _, event = await asyncio.wait_for(firsts[0], 5)
+    assert event.text == "ab" and event.token_ids == [4]
+    p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[0].request_id, 0, [5])]))  # unanswered
     lost.stream._connected.clear()
     p._on_detok_lost(0, ConnectionError("gone"))
-    # The one with a sequence open there fails; the one still waiting for its first token moves.
-    with pytest.raises(APIError, match="lost the detok worker stream") as info:
-        await asyncio.wait_for(firsts[0], 5)
-    assert info.value.status == 503
-    assert p._live[adds[2].request_id].detok is kept and (lost.num_open_sequences, kept.num_open_sequences) == (
-        0, 2)
+    assert p._live[adds[0].request_id].detok is kept and p._live[adds[2].request_id].detok is kept
+    assert (lost.num_open_sequences, kept.num_open_sequences) == (0, 3)
+    reopened = kept._take_frame()
+    assert [o.sequence_id for o in reopened.opens] == [sequence] and reopened.opens[0].prompt_tail_ids == [1]
+    assert unpack_int32(reopened.columns.token_ids).tolist() == [4, 5]  # every id it was sent
+    assert unpack_int32(reopened.columns.handles).tolist() == [reopened.opens[0].handle]
+    assert not reopened.columns.finished_handles
+    # The new replica's text starts from the first id: the client reads on after "ab".
+    after = asyncio.create_task(anext(running))
+    p._on_text_delta_frame(1, detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "a", num_tokens=1)]))
+    await asyncio.sleep(0)
+    assert not after.done()  # all of it the client had
+    p._on_text_delta_frame(1, detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "bc", num_tokens=1)]))
+    _, event = await asyncio.wait_for(after, 5)
+    assert event.text == "c" and event.token_ids == [5]
+    p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[0].request_id, 0, [6], LENGTH)]))
+    assert unpack_int32(kept._take_frame().columns.token_ids).tolist() == [6]
+    p._on_text_delta_frame(1, detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "d", True, num_tokens=1)]))
+    _, event = await anext(running)
+    assert event.text == "d" and event.token_ids == [6] and event.finish_reason == "length"
+    # The one still waiting for its first token opens on the other replica with it.
     p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[2].request_id, 0, [5], LENGTH)]))
     (opened,) = kept._take_frame().opens
     assert opened.sequence_id == f"{adds[2].request_id}-0"
@@ -203,6 +227,52 @@ async def test_losing_a_detok_replica_moves_requests_that_sent_it_nothing(two_de
     for generator in (running, other, waiting):
         await generator.aclose()
     assert (lost.num_open_sequences, kept.num_open_sequences) == (0, 0)
+
+
+async def test_a_reopened_sequence_asks_the_new_replica_for_the_renders_it_never_got(two_detoks: Pipeline) -> None:
+    async def no_rpc(ids: object) -> detok_worker_pb2.RenderedTokens:
+        raise AssertionError("every id comes rendered with the stream")
+
+    p, model = two_detoks, two_detoks.model
+    lost, kept = p.detoks
+    p.renderer = DetokRenderer(no_rpc)
+    generator = p.generate([1], GenerationParams(logprobs=True, top_logprobs=1))
+    first = asyncio.create_task(anext(generator))
+    await asyncio.sleep(0)
+    (add,) = model._take_frame().adds
+    seq = tokens(add.request_id, 0, [5, 6])
+    seq.logprobs = pack_float32([-0.5, -0.25])
+    seq.num_top_logprobs = 1
+    seq.top_token_ids = pack_int32([9, 6])
+    seq.top_logprobs = pack_float32([-0.4, -0.25])
+    p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[seq]))
+    lost.stream._connected.clear()
+    p._on_detok_lost(0, ConnectionError("gone"))
+    reopened = kept._take_frame()
+    (entry,) = reopened.tokens
+    assert entry.sequence_id == f"{add.request_id}-0" and not reopened.opens[0].handle
+    assert unpack_int32(entry.token_ids).tolist() == [5, 6]
+    assert unpack_int32(entry.render_token_ids).tolist() == [5, 9, 6, 6]
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await generator.aclose()
+
+
+async def test_losing_the_only_connected_detok_replica_fails_its_open_requests(two_detoks: Pipeline) -> None:
+    p, model = two_detoks, two_detoks.model
+    lost, down = p.detoks
+    down.stream._connected.clear()
+    generator = p.generate([1], GenerationParams())
+    first = asyncio.create_task(anext(generator))
+    await asyncio.sleep(0)
+    (add,) = model._take_frame().adds
+    p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(add.request_id, 0, [4])]))
+    lost.stream._connected.clear()
+    p._on_detok_lost(0, ConnectionError("gone"))
+    with pytest.raises(APIError, match="lost the detok worker stream") as info:
+        await asyncio.wait_for(first, 5)
+    assert info.value.status == 503
+    await generator.aclose()
 
 
 async def test_a_request_assigned_to_a_draining_detok_replica_opens_on_another(two_detoks: Pipeline) -> None:
