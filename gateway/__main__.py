@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 
 import uvicorn
 
@@ -42,6 +43,7 @@ async def connect_unless_stopped(config: Config, app) -> int | None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop, sig)
+    logger.info("waiting for the workers (up to --startup-timeout-s %g)", config.startup_timeout_s)
     try:
         app.state.pipeline = await connecting
     except asyncio.CancelledError:
@@ -72,6 +74,12 @@ async def serve(config: Config) -> int:
         http="h11",
         access_log=False,  # gateway.access logs each request with latency and token counts
         ssl_certfile=config.tls_cert_file or None, ssl_keyfile=config.tls_key_file or None))
+    try:
+        server.config.load()  # what uvicorn checks at its start (the TLS files), before the wait, not after
+    except (OSError, ssl.SSLError) as exc:  # ssl's own errors name no file
+        logger.error("not serving: --tls-cert-file %s / --tls-key-file %s: %s", config.tls_cert_file,
+                     config.tls_key_file, exc)
+        return 1
     stopped = await connect_unless_stopped(config, app)
     if stopped is not None:
         return stopped
@@ -86,7 +94,11 @@ def main() -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_io_note()
     use_serving_slice(config, "gateway", whole_process=True)  # uvicorn and gRPC start theirs later: they inherit it
-    raise SystemExit(asyncio.run(serve(config)))
+    try:
+        code = asyncio.run(serve(config))
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it drained on again (uvicorn.run swallowed it)
+        code = 128 + signal.SIGINT
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

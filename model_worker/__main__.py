@@ -208,27 +208,17 @@ async def watch_engine(loop: EngineLoop, health, step_timeout_s: float = 0.0, po
     """Health NOT_SERVING for good once the engine cannot serve: the gateway stops sending here,
     and an orchestrator's probe restarts the process. Returns None once EngineLoop.healthy is
     false (its steps keep failing, or its thread ended), or why the engine is hung once a step has
-    run past step_timeout_s (0: never checked): serve() then ends the worker (exit_hung).
-
-    A thread that holds the GIL and never lets go (a C call stuck without releasing it) stops this
-    loop too, so nothing here could see it: faulthandler's own C thread, re-armed at each look,
-    dumps every thread's stack and exits (status 1) once the event loop has not come back for
-    step_timeout_s."""
-    try:
-        while loop.healthy:
-            if step_timeout_s:
-                faulthandler.dump_traceback_later(step_timeout_s + poll_s, exit=True)
-            running_s = loop.step_running_s if step_timeout_s else 0.0
-            if running_s > step_timeout_s:
-                logger.error("the engine's step has run %.1fs (--step-timeout-s %g); the engine thread is at:\n%s",
-                             running_s, step_timeout_s, loop.engine_thread_stack())
-                await grpc_server.mark_not_serving(health, [SERVICE_NAME])
-                return (f"the model worker's engine step has not returned in {running_s:.0f}s (--step-timeout-s "
-                        f"{step_timeout_s:g}): taken as hung, the worker exits to be restarted")
-            await asyncio.sleep(poll_s)
-    finally:
-        if step_timeout_s:
-            faulthandler.cancel_dump_traceback_later()
+    run past step_timeout_s (0: never checked): serve() then ends the worker (exit_hung). A step
+    that holds the GIL stops this loop too: EngineLoop.arm_fault_timer covers that one."""
+    while loop.healthy:
+        running_s = loop.step_running_s if step_timeout_s else 0.0
+        if running_s > step_timeout_s:
+            logger.error("the engine's step has run %.1fs (--step-timeout-s %g); the engine thread is at:\n%s",
+                         running_s, step_timeout_s, loop.engine_thread_stack())
+            await grpc_server.mark_not_serving(health, [SERVICE_NAME])
+            return (f"the model worker's engine step has not returned in {running_s:.0f}s (--step-timeout-s "
+                    f"{step_timeout_s:g}): taken as hung, the worker exits to be restarted")
+        await asyncio.sleep(poll_s)
     logger.error("the engine cannot serve (its steps keep failing, or its thread ended): health NOT_SERVING")
     await grpc_server.mark_not_serving(health, [SERVICE_NAME])
     return None
@@ -236,6 +226,10 @@ async def watch_engine(loop: EngineLoop, health, step_timeout_s: float = 0.0, po
 
 # After a hung step, how long the Generate calls get to send their UNAVAILABLE before the exit.
 HUNG_FLUSH_S = 1.0
+# faulthandler's exit (a step holding the GIL) comes this long after --step-timeout-s, so that a
+# hang watch_engine can see (the GIL released) ends by exit_hung first: its look every second, the
+# flush, and the timer's re-arming once a second.
+FAULT_TIMER_SLACK_S = 5.0
 HUNG_EXIT_STATUS = 1
 # os._exit: the engine thread cannot be stopped or joined, so a normal exit would wait for it
 # forever (interpreter shutdown joins an executor's threads). Tests replace it.
@@ -247,9 +241,14 @@ async def exit_hung(servicer: ModelWorkerServicer, server: grpc.aio.Server, why:
     Each Generate call ends with UNAVAILABLE and why (the gateway fails its requests with that at
     once, where they would wait for their clients' time-outs), then the process exits for its
     supervisor (tokenwire.stack, Kubernetes, compose) to start a new one, as SGLang's watchdog."""
+    faulthandler.cancel_dump_traceback_later()  # this exit, not the bare one, while the event loop runs
     servicer.fail_streams(grpc.StatusCode.UNAVAILABLE, why)
     with contextlib.suppress(Exception):
         await server.stop(HUNG_FLUSH_S)  # the calls end by themselves; then the rest is cancelled
+    exit_now(why)
+
+
+def exit_now(why: str) -> None:
     logger.critical("exiting with status %d: %s", HUNG_EXIT_STATUS, why)
     logging.shutdown()
     exit_process(HUNG_EXIT_STATUS)
@@ -285,8 +284,11 @@ async def serve(config: Config) -> None:
             logger.warning("structured output is off: llguidance refused %s: %s", tokenizer_json, exc)
     freeze_startup_heap("model worker")
     loop = EngineLoop(engine, grammar_compiler, engine_thread, config.stream_interval)
+    if config.step_timeout_s:
+        loop.fault_timeout_s = config.step_timeout_s + FAULT_TIMER_SLACK_S
     # Started inside the try: its thread waits for work until stop(), and a process whose
     # startup failed after it started would otherwise never exit.
+    watcher: asyncio.Task | None = None
     try:
         loop.start()
         server = grpc_server.new_server()
@@ -303,14 +305,25 @@ async def serve(config: Config) -> None:
             server, config.address, config.drain_grace_s, config.tls, health, drained=lambda: drain(servicer)))
         try:
             await asyncio.wait({watcher, serving}, return_when=asyncio.FIRST_COMPLETED)
-            if not serving.done() and (why := watcher.result()) is not None:
+            if watcher.done() and (why := watcher.result()) is not None:
                 await exit_hung(servicer, server, why)
             await serving
         finally:
-            watcher.cancel()
             serving.cancel()
     finally:
-        await loop.stop()
+        await stop_engine(loop, watcher)
+
+
+async def stop_engine(loop: EngineLoop, watcher: asyncio.Task | None) -> None:
+    """loop.stop(), still watched: it waits for the step running, and one that hangs while the
+    worker drains or stops would hold the process for good."""
+    stopping = asyncio.create_task(loop.stop())
+    if watcher is not None and not watcher.done():
+        await asyncio.wait({stopping, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done() and (why := watcher.result()) is not None:
+            exit_now(why)
+        watcher.cancel()
+    await stopping
 
 
 def main() -> None:

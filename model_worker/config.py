@@ -17,6 +17,11 @@ def _default_cache_dir() -> str:
     return str(DEFAULT_CACHE_DIR)
 
 
+# A day: past it, use 0 (never). faulthandler's timer (model_worker.engine_loop) refuses values
+# that overflow its clock.
+MAX_STEP_TIMEOUT_S = 86400.0
+
+
 @dataclass
 class Config(WorkerServerOptions):
     """tokenwire model worker: continuous batching behind a bidirectional gRPC stream."""
@@ -114,9 +119,9 @@ class Config(WorkerServerOptions):
                 "that stopped answering, a kernel that never returns, while gRPC and health still answer): the "
                 "worker logs the engine thread's stack, turns NOT_SERVING, ends its Generate calls with "
                 "UNAVAILABLE and exits with status 1 for its supervisor to restart it (SGLang's "
-                "--watchdog-timeout); an event loop that stops as long (a call holding the GIL) ends it too, "
-                "from faulthandler's thread; raise it for a model whose longest step (a --max-num-batched-tokens "
-                "prefill chunk) may take longer; 0: never"})
+                "--watchdog-timeout); a step stuck holding the GIL (the event loop stopped too) ends it 5 s "
+                "later from faulthandler's thread; raise it for a model whose longest step (a "
+                "--max-num-batched-tokens prefill chunk) may take longer; 0: never, at most 86400"})
     seed: int = field(default=0, metadata={"help": "seed of the shared generator used by unseeded requests"})
     served_model_name: str = field(default="", metadata={"help": "model id to report; default from --model"})
     cache_dir: str = field(default_factory=_default_cache_dir, metadata={
@@ -142,8 +147,9 @@ class Config(WorkerServerOptions):
             # oldest sequences would take it every step and the newest would stall until they end.
             raise ValueError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= --max-num-seqs "
                              f"({self.max_num_seqs}): each running sequence decodes one token a step")
-        if not self.step_timeout_s >= 0.0:  # NaN too
-            raise ValueError(f"--step-timeout-s must be >= 0 (0: never), not {self.step_timeout_s}")
+        if not 0.0 <= self.step_timeout_s <= MAX_STEP_TIMEOUT_S:  # NaN too
+            raise ValueError(f"--step-timeout-s must be from 0 (never) to {MAX_STEP_TIMEOUT_S:g}, "
+                             f"not {self.step_timeout_s}")
         if self.max_model_len < 0 or self.num_threads < 0:
             raise ValueError("--max-model-len and --num-threads must be >= 0")
         if self.kv_cache_tokens < 0 or self.kv_cache_memory_bytes < 0:

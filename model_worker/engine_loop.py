@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import faulthandler
 import itertools
 import logging
 import sys
@@ -108,6 +109,10 @@ FIRST_TOKEN_HANDOFF_S = 0.005
 # (None, threading.Event, None) is the marker a first-token pass ends with (see EngineLoop._flush).
 _Delivery = tuple["StreamOutbox | None", object, "tuple[str, int] | None"]
 
+
+# How often, at most, the engine thread re-arms faulthandler's timer while steps run (see
+# EngineLoop.arm_fault_timer): each arming starts a thread.
+FAULT_TIMER_REARM_S = 1.0
 
 ENGINE_THREAD_NAME = "engine-step"
 # Passes failed in a row (each failing every request it had) after which the worker reports
@@ -229,6 +234,9 @@ class EngineLoop:
         # None between steps; and the thread's id, for its stack (see step_running_s)
         self._step_began: float | None = None
         self._engine_thread_id: int | None = None
+        # faulthandler's exit for a step that holds the GIL for good (arm_fault_timer); 0: off
+        self.fault_timeout_s = 0.0
+        self._fault_armed_at: float | None = None  # engine thread only
 
     @property
     def healthy(self) -> bool:
@@ -253,6 +261,22 @@ class EngineLoop:
         """Where the engine thread is now, as traceback's lines: logged when a step hangs."""
         frame = sys._current_frames().get(self._engine_thread_id) if self._engine_thread_id is not None else None
         return "".join(traceback.format_stack(frame)) if frame is not None else "(the engine thread is not running)"
+
+    def arm_fault_timer(self) -> None:
+        """Engine thread, before a step: a step stuck in a call that holds the GIL stops the event
+        loop too, so nothing in Python (watch_engine) can see it; faulthandler's own C thread then
+        prints every thread's stack and exits the process (status 1) fault_timeout_s after the last
+        arming. Armed only while steps run (an idle worker paused for long, SIGSTOP or docker pause,
+        is no hang), and re-armed at most every FAULT_TIMER_REARM_S: each arming starts a thread."""
+        now = time.monotonic()
+        if self._fault_armed_at is None or now - self._fault_armed_at >= FAULT_TIMER_REARM_S:
+            faulthandler.dump_traceback_later(self.fault_timeout_s, exit=True)
+            self._fault_armed_at = now
+
+    def disarm_fault_timer(self) -> None:
+        if self._fault_armed_at is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._fault_armed_at = None
 
     def start(self) -> None:
         self._event_loop = asyncio.get_running_loop()
@@ -564,10 +588,18 @@ class EngineLoop:
         """The engine thread, until stop(): apply what is pending, step, hand the outputs over
         (without waiting for the event loop to take them), again; sleep while there is no work."""
         self._engine_thread_id = threading.get_ident()
+        try:
+            self._steps_until_stopped()
+        finally:
+            self.disarm_fault_timer()
+
+    def _steps_until_stopped(self) -> None:
         while not self._stopping:
             try:
                 self._apply_pending()
                 if self.engine.has_work():
+                    if self.fault_timeout_s:
+                        self.arm_fault_timer()
                     self._step_began = time.monotonic()
                     try:
                         outputs = self.engine.step()
@@ -592,6 +624,7 @@ class EngineLoop:
                     if self._stopping or self._pending_adds or self._pending_aborts or self._pending_output_aborts:
                         continue
                     self._wake.clear()  # under the lock: a later _queue_pending or stop() sets it again
+                self.disarm_fault_timer()
                 while not self._wake.wait(1.0):
                     if self._event_loop.is_closed():  # its owner ended without stop(): let the process exit
                         return

@@ -37,8 +37,7 @@ def test_sigterm_while_waiting_for_the_workers_stops_the_gateway_at_once(tmp_pat
     log = tmp_path / "gateway.log"
     gateway = start_gateway(log=log)
     try:
-        wait_for_line(log, "serving threads ask for")  # its flags parsed, its wait begun
-        time.sleep(0.5)
+        wait_for_line(log, "waiting for the workers")  # logged once its signal handlers are in place
         signalled = time.monotonic()
         gateway.send_signal(signal.SIGTERM)
         code = gateway.wait(10)
@@ -66,3 +65,19 @@ def test_workers_that_never_answer_end_the_start_with_their_status_in_one_line(t
     assert "no model worker answered GetModelInfo before --startup-timeout-s" in line, text
     assert line.endswith("DEADLINE_EXCEEDED: Deadline Exceeded"), line
     assert "debug_error_string" not in text and "Traceback" not in text, text
+
+
+def test_a_tls_file_that_is_missing_fails_the_start_at_once_not_after_the_wait(tmp_path: Path) -> None:
+    log = tmp_path / "gateway.log"
+    started = time.monotonic()
+    gateway = start_gateway("--tls-cert-file", str(tmp_path / "missing.pem"), "--tls-key-file",
+                            str(tmp_path / "missing.key"), log=log)
+    try:
+        code = gateway.wait(30)
+    finally:
+        gateway.kill()
+        gateway.wait()
+    text = log.read_text()
+    assert code == 1 and "not serving: --tls-cert-file" in text and "missing.pem" in text, text
+    assert "waiting for the workers" not in text and "Traceback" not in text, text
+    assert time.monotonic() - started < 20

@@ -5,6 +5,8 @@ NOT_SERVING, end its Generate calls with UNAVAILABLE and the reason, and exit to
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +20,7 @@ from grpc_health.v1 import health, health_pb2
 from model_worker import __main__ as model_worker_main
 from model_worker.engine_loop import EngineLoop, StreamOutbox
 from model_worker.servicer import ModelWorkerServicer
-from tests.test_engine_loop import ScriptedEngine, collect_first, new_request
+from tests.test_engine_loop import ScriptedEngine, collect, collect_first, new_request
 from tokenwire.stack import ServiceProcess, free_port, wait_grpc_serving
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc
@@ -43,27 +45,31 @@ class HangingEngine(ScriptedEngine):
 
 
 class FaultTimer:
-    """Stands in for faulthandler's timer in this process (a real one would end pytest's run if the
-    event loop here stalled that long): records each arming and cancel."""
+    """Stands in for faulthandler's timer in this process (a real one would end pytest's run):
+    records each arming and cancel."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.armed: list[float] = []
         self.cancelled = 0
-        monkeypatch.setattr(model_worker_main.faulthandler, "dump_traceback_later", self.arm)
-        monkeypatch.setattr(model_worker_main.faulthandler, "cancel_dump_traceback_later", self.cancel)
+        self.on = False
+        monkeypatch.setattr(faulthandler, "dump_traceback_later", self.arm)
+        monkeypatch.setattr(faulthandler, "cancel_dump_traceback_later", self.cancel)
 
     def arm(self, timeout: float, repeat: bool = False, file=None, exit: bool = False) -> None:
         assert exit and not repeat
         self.armed.append(timeout)
+        self.on = True
 
     def cancel(self) -> None:
         self.cancelled += 1
+        self.on = False
 
 
 async def test_a_step_that_runs_past_the_timeout_is_reported_hung_with_the_engine_threads_stack(monkeypatch):
     timer = FaultTimer(monkeypatch)
     engine = HangingEngine(hang_at=3)
     loop = EngineLoop(engine)
+    loop.fault_timeout_s = 7.0
     loop.start()
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -82,15 +88,37 @@ async def test_a_step_that_runs_past_the_timeout_is_reported_hung_with_the_engin
         assert why is not None and "hung" in why and "--step-timeout-s 0.3" in why, why
         request = health_pb2.HealthCheckRequest(service="")
         assert (await health_servicer.Check(request, None)).status == health_pb2.HealthCheckResponse.NOT_SERVING
-        # faulthandler's exit, for a GIL held for good, was re-armed at each look and is off now
-        assert len(timer.armed) >= 10 and set(timer.armed) == {0.3 + 0.01} and timer.cancelled == 1
+        # faulthandler's exit (a step holding the GIL) was armed by the first step, not again
+        # within the second, and stays armed through the hung step
+        assert timer.armed == [7.0] and timer.on
     finally:
         engine.release.set()
         await loop.stop()
+    assert not timer.on  # off once the engine thread ended
 
 
-async def test_steps_shorter_than_the_timeout_and_a_timeout_of_zero_never_report_a_hang(monkeypatch):
+async def test_the_fault_timer_is_off_while_the_engine_is_idle(monkeypatch):
+    """A worker paused (SIGSTOP, docker pause) for longer than the timer while idle is no hang."""
     timer = FaultTimer(monkeypatch)
+    loop = EngineLoop(ScriptedEngine(step_s=0.01))
+    loop.fault_timeout_s = 7.0
+    loop.start()
+    try:
+        await asyncio.sleep(0.05)
+        assert timer.armed == []
+        outbox = StreamOutbox()
+        loop.add(outbox, new_request("r", 3))
+        await collect(outbox, {"r"})
+        for _ in range(100):  # the engine thread goes idle right after the last step
+            if not timer.on:
+                break
+            await asyncio.sleep(0.01)
+        assert timer.armed == [7.0] and not timer.on and timer.cancelled == 1
+    finally:
+        await loop.stop()
+
+
+async def test_steps_shorter_than_the_timeout_and_a_timeout_of_zero_never_report_a_hang():
     engine = ScriptedEngine(step_s=0.02)
     loop = EngineLoop(engine)
     loop.start()
@@ -108,7 +136,26 @@ async def test_steps_shorter_than_the_timeout_and_a_timeout_of_zero_never_report
             watcher.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
         await loop.stop()
-    assert set(timer.armed) == {0.2 + 0.005} and timer.cancelled == 1  # the 0.2 s watcher's alone
+
+
+async def test_a_step_that_hangs_while_the_worker_stops_still_ends_the_process(monkeypatch):
+    """A SIGTERM's drain ends, then loop.stop() waits for the step running: one that hangs there
+    would hold the process for good, past any drain grace."""
+    engine = HangingEngine(hang_at=2)
+    exits: list[int] = []
+
+    def exit_process(status: int) -> None:
+        exits.append(status)
+        engine.release.set()  # lets this test's loop.stop() end
+
+    monkeypatch.setattr(model_worker_main, "exit_process", exit_process)
+    loop = EngineLoop(engine)
+    loop.start()
+    loop.add(StreamOutbox(), new_request("r", 100))
+    assert await asyncio.to_thread(engine.hanging.wait, 10)
+    watcher = asyncio.create_task(model_worker_main.watch_engine(loop, health.aio.HealthServicer(), 0.3, poll_s=0.01))
+    await asyncio.wait_for(model_worker_main.stop_engine(loop, watcher), 10)
+    assert exits == [model_worker_main.HUNG_EXIT_STATUS]
 
 
 class AbortingContext:
@@ -141,6 +188,11 @@ async def test_fail_streams_ends_each_generate_call_with_the_status_after_its_qu
         tokens += sum(len(seq.token_ids) // 4 for seq in first.sequences)
         assert await asyncio.to_thread(engine.hanging.wait, 10)
         assert servicer.open_streams == 1
+        (outbox,) = servicer._streams
+        for _ in range(500):  # the second step's output, on its way through the handover thread
+            if tokens + outbox.queue.qsize() >= 2:
+                break
+            await asyncio.sleep(0.01)
         servicer.fail_streams(grpc.StatusCode.UNAVAILABLE, "the step is hung")
         with pytest.raises(grpc.aio.AbortError):
             async for frame in call:
@@ -224,15 +276,16 @@ def test_a_model_worker_whose_step_hangs_fails_its_streams_and_exits(
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
         # the three steps before the hung one; with the GIL held, the last may not have gone out
         assert tokens == 3 if hang == "gil_released" else 1 <= tokens <= 3, tokens
-        # 1 s of timeout, up to 1 s until the watcher's next look; not the client's 60 s
-        assert failed_after < 10, failed_after
+        # 1 s of timeout, then up to 1 s until the watcher's next look (the GIL released) or 5 s
+        # more for faulthandler's timer (held); not the client's 60 s
+        assert failed_after < 15, failed_after
         assert process.wait(30) == model_worker_main.HUNG_EXIT_STATUS
         log = log_path.read_text()
         if hang == "gil_released":  # the event loop saw it: the reason, and the engine thread's stack
             assert "has not returned" in failed.value.details() and "hung" in failed.value.details(), failed.value
             assert "the engine thread is at" in log and ", in step\n" in log and "in _run\n" in log, log[-3000:]
         else:  # faulthandler's thread: every thread's stack, the engine thread's in step
-            assert "Timeout (0:00:02)!" in log and 'line 18 in step\n' in log, log[-3000:]
+            assert "Timeout (0:00:06)!" in log and 'line 18 in step\n' in log, log[-3000:]
         print(f"\n[figure] a hung step ({hang}, --step-timeout-s 1): its stream ended UNAVAILABLE "
               f"{failed_after:.2f}s after the request was sent; the worker exited with status 1")
     finally:
@@ -240,3 +293,59 @@ def test_a_model_worker_whose_step_hangs_fails_its_streams_and_exits(
             process.kill()
             process.wait()
         log_file.close()
+
+
+@pytest.mark.slow
+def test_a_step_that_hangs_through_a_sigterm_drain_still_ends_the_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM while a step hangs: the drain's grace (1 s) runs out with its call open, then the
+    engine's stop waits on the step. Before, the watcher was cancelled first and the worker never
+    exited; and the drain's two stops cancelling calls at once crashed grpc.aio (SIGSEGV)."""
+    port = free_port()
+    log_path = tmp_path / "model_worker.log"
+    script = HANGING_WORKER.replace("HANG_PROMPT", repr(HANG_PROMPT)).replace("HANG", HANGS["gil_released"])
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-c", script, "--port", str(port), "--model", str(tiny_model_dir), "--load-format",
+             "dummy", "--num-threads", "1", "--device", "cpu", "--step-timeout-s", "4", "--drain-grace-s", "1"],
+            cwd=REPO_ROOT, stderr=log_file)
+    address = f"127.0.0.1:{port}"
+    frames_open = threading.Event()
+    try:
+        wait_grpc_serving(ServiceProcess("model_worker", [], process), address, 120)
+        with grpc.insecure_channel(address) as channel:
+            stub = model_worker_pb2_grpc.ModelWorkerStub(channel)
+
+            def requests():
+                yield pb.RequestFrame(adds=[pb.AddRequest(request_id="hangs", prompt_token_ids=HANG_PROMPT,
+                                                          max_tokens=100, ignore_eos=True)])
+                frames_open.wait(60)
+
+            first_frame = threading.Event()
+            ended: list[grpc.StatusCode] = []
+
+            def read() -> None:  # the gateway's reader: a read waits on the call throughout
+                try:
+                    for _ in stub.Generate(requests(), timeout=60):
+                        first_frame.set()
+                except grpc.RpcError as exc:
+                    ended.append(exc.code())
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            assert first_frame.wait(30)  # its first token: the step that hangs is three steps on
+            time.sleep(0.5)
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            code = process.wait(30)
+            exited_s = time.monotonic() - signalled
+            reader.join(10)
+            assert ended == [grpc.StatusCode.UNAVAILABLE]  # the drain's end cancelled it
+    finally:
+        frames_open.set()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = log_path.read_text()
+    assert code == model_worker_main.HUNG_EXIT_STATUS, (code, log[-3000:])
+    assert "draining (grace 1.0s)" in log and "taken as hung" in log, log[-3000:]
+    assert 3 < exited_s < 10, exited_s

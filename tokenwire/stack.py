@@ -209,9 +209,8 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
         started = True
         yield stack
     finally:
-        # Stopped during start-up, a gateway still in its start waits for workers that are gone (up
-        # to --startup-timeout-s) and ignores SIGTERM until then: it serves nothing yet, so it gets
-        # STARTING_STOP_S before SIGKILL, not a drain's grace.
+        # Stopped during start-up: nothing serves yet, so each service gets STARTING_STOP_S before
+        # SIGKILL, not a drain's grace (a gateway waiting for its workers exits on SIGTERM at once).
         stack.stop(STOP_S if started else STARTING_STOP_S)
 
 
