@@ -56,6 +56,16 @@ def tokens(request_id: str, index: int, ids: list[int], finish: int = 0) -> mode
                                            finish_reason=finish, num_output_tokens=len(ids))
 
 
+def tokens_with_top_logprob(request_id: str) -> model_worker_pb2.SequenceTokens:
+    """Tokens 5 and 6 with their logprobs and one alternative each (9 for 5, 6 for 6)."""
+    seq = tokens(request_id, 0, [5, 6])
+    seq.logprobs = pack_float32([-0.5, -0.25])
+    seq.num_top_logprobs = 1
+    seq.top_token_ids = pack_int32([9, 6])
+    seq.top_logprobs = pack_float32([-0.4, -0.25])
+    return seq
+
+
 def text(sequence_id: str, value: str, finished: bool = False, **fields: int) -> detok_worker_pb2.TextDelta:
     return detok_worker_pb2.TextDelta(sequence_id=sequence_id, text=value, finished=finished,
                                       stop_index=fields.pop("stop_index", -1), **fields)
@@ -240,11 +250,7 @@ async def test_a_reopened_sequence_asks_the_new_replica_for_the_renders_it_never
     first = asyncio.create_task(anext(generator))
     await asyncio.sleep(0)
     (add,) = model._take_frame().adds
-    seq = tokens(add.request_id, 0, [5, 6])
-    seq.logprobs = pack_float32([-0.5, -0.25])
-    seq.num_top_logprobs = 1
-    seq.top_token_ids = pack_int32([9, 6])
-    seq.top_logprobs = pack_float32([-0.4, -0.25])
+    seq = tokens_with_top_logprob(add.request_id)
     p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[seq]))
     lost.stream._connected.clear()
     p._on_detok_lost(0, ConnectionError("gone"))
@@ -303,11 +309,7 @@ async def test_logprob_tokens_are_rendered_by_the_detok_worker_as_they_stream(pi
     pending = asyncio.create_task(anext(generator))
     await asyncio.sleep(0)
     (add,) = pipeline.model._take_frame().adds
-    seq = tokens(add.request_id, 0, [5, 6])
-    seq.logprobs = pack_float32([-0.5, -0.25])
-    seq.num_top_logprobs = 1
-    seq.top_token_ids = pack_int32([9, 6])
-    seq.top_logprobs = pack_float32([-0.4, -0.25])
+    seq = tokens_with_top_logprob(add.request_id)
     pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[seq]))
     (entry,) = pipeline.detoks[0]._take_frame().tokens
     assert entry.render_token_ids == pack_int32([5, 9, 6, 6])  # each token, then its alternative

@@ -24,6 +24,17 @@ def start_gateway(*flags: str, log: Path) -> subprocess.Popen:
             cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
 
 
+def run_to_its_end(*flags: str, log: Path) -> tuple[int, str]:
+    """A gateway that ends by itself: its exit status and its log."""
+    gateway = start_gateway(*flags, log=log)
+    try:
+        code = gateway.wait(30)
+    finally:
+        gateway.kill()
+        gateway.wait()
+    return code, log.read_text()
+
+
 def wait_for_line(log: Path, text: str, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while text not in log.read_text():
@@ -52,14 +63,7 @@ def test_sigterm_while_waiting_for_the_workers_stops_the_gateway_at_once(tmp_pat
 
 
 def test_workers_that_never_answer_end_the_start_with_their_status_in_one_line(tmp_path: Path) -> None:
-    log = tmp_path / "gateway.log"
-    gateway = start_gateway("--startup-timeout-s", "1", log=log)
-    try:
-        code = gateway.wait(30)
-    finally:
-        gateway.kill()
-        gateway.wait()
-    text = log.read_text()
+    code, text = run_to_its_end("--startup-timeout-s", "1", log=tmp_path / "gateway.log")
     assert code == STARTUP_FAILURE, text
     [line] = [line for line in text.splitlines() if "not serving" in line]
     assert "no model worker answered GetModelInfo before --startup-timeout-s" in line, text
@@ -68,16 +72,9 @@ def test_workers_that_never_answer_end_the_start_with_their_status_in_one_line(t
 
 
 def test_a_tls_file_that_is_missing_fails_the_start_at_once_not_after_the_wait(tmp_path: Path) -> None:
-    log = tmp_path / "gateway.log"
     started = time.monotonic()
-    gateway = start_gateway("--tls-cert-file", str(tmp_path / "missing.pem"), "--tls-key-file",
-                            str(tmp_path / "missing.key"), log=log)
-    try:
-        code = gateway.wait(30)
-    finally:
-        gateway.kill()
-        gateway.wait()
-    text = log.read_text()
+    code, text = run_to_its_end("--tls-cert-file", str(tmp_path / "missing.pem"), "--tls-key-file",
+                                str(tmp_path / "missing.key"), log=tmp_path / "gateway.log")
     assert code == 1 and "not serving: --tls-cert-file" in text and "missing.pem" in text, text
     assert "waiting for the workers" not in text and "Traceback" not in text, text
     assert time.monotonic() - started < 20
