@@ -14,6 +14,12 @@ from detok_worker.stop_strings import StopStringMatcher
 from detok_worker.token_bytes import TokenBytes
 from tokenwire.packing import unpack_int32_list
 
+# The longest feed a window-detokenized sequence with stop strings takes at once (see
+# DetokSequence._feed_in_pieces). Feeds are a frame's new ids, a few, except a gateway's replay of a
+# whole sequence on this replica after another was lost: 4000 ids of a Llama-2-style tokenizer with
+# a stop completing in them took 2.5 s in one feed, 35 ms one id a frame.
+WINDOW_FEED_IDS = 256
+
 
 class DetokSequence:
     __slots__ = ("sequence_id", "detokenizer", "token_bytes", "stop_matcher", "stop_search", "renderer",
@@ -63,11 +69,26 @@ class DetokSequence:
 
     def feed(self, token_ids: Sequence[int]) -> str:
         """Text to emit for these ids (ValueError on an id not in the vocabulary)."""
+        if len(token_ids) > WINDOW_FEED_IDS and self.stop_matcher is not None and self.token_bytes is None:
+            return self._feed_in_pieces(token_ids)
         text = self.detokenizer.feed(token_ids)
         self.num_tokens += len(token_ids)
         if self.stop_matcher is None:
             return text
         return self.match_stops(text, token_ids, len(token_ids))
+
+    def _feed_in_pieces(self, token_ids: Sequence[int]) -> str:
+        """A long feed of a window-detokenized sequence with stops, WINDOW_FEED_IDS ids at a time:
+        the text is the same however ids are split, and a stop hit's accounting
+        (WindowDetokenizer.tokens_for_chars) re-decodes a window that grows from its feed's start,
+        quadratic in the feed's length."""
+        texts = []
+        for start in range(0, len(token_ids), WINDOW_FEED_IDS):
+            texts.append(self.feed(token_ids[start:start + WINDOW_FEED_IDS]))
+            if self.finished:  # the rest counts as consumed, as in one feed
+                self.num_tokens += max(0, len(token_ids) - start - WINDOW_FEED_IDS)
+                break
+        return "".join(texts)
 
     def finish(self) -> str:
         """Flushes held text; the sequence is finished afterwards."""
