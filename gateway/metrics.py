@@ -66,6 +66,9 @@ class GatewayMetrics:
                                                ["worker", "rpc", "code"], registry=r)
         self.detok_rpc_errors = Counter(f"{PREFIX}detok_rpc_errors", "Failed detok worker RPCs",
                                         ["worker", "rpc"], registry=r)
+        self.detok_sequences_reopened = Counter(
+            f"{PREFIX}detok_sequences_reopened", "Sequences replayed on another detok replica after theirs was lost",
+            ["worker"], registry=r)
 
     def clear_replicas(self) -> None:
         """Forgets every per-replica series before a scrape sets them again: a replica that left

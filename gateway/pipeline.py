@@ -462,6 +462,8 @@ class Pipeline:
                     entry.render_token_ids = pack_int32(state.pending_render_ids)
                 entries.append(entry)
         moved_to.send(opens, entries, rows)
+        if self.metrics is not None and opens:
+            self.metrics.detok_sequences_reopened.labels(worker=moved_to.address).inc(len(opens))
         logger.info("request %s: its detok replica %s was lost; %d sequence(s) reopened on %s", request.request_id,
                     lost.address, len(opens), moved_to.address)
         return True

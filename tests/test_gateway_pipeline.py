@@ -15,9 +15,11 @@ import pytest
 
 from gateway.config import Config
 from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.request_mapping import GenerationParams
 from gateway.token_rendering import DetokRenderer
+from tests.test_gateway_metrics import sample
 from tokenwire.packing import pack_float32, pack_int32, unpack_int32
 from tokenwire.v1 import common_pb2, detok_worker_pb2, model_worker_pb2
 
@@ -192,6 +194,7 @@ async def test_losing_a_detok_replica_moves_its_requests_and_the_client_reads_on
     has is skipped. Before, the second failed with 503 although the gateway had all its ids."""
     p, model = two_detoks, two_detoks.model
     lost, kept = p.detoks
+    p.metrics = GatewayMetrics()
     running, other, waiting = (p.generate([i], GenerationParams()) for i in (1, 2, 3))
     firsts = [asyncio.create_task(anext(g)) for g in (running, other, waiting)]
     await asyncio.sleep(0)
@@ -207,6 +210,8 @@ async def test_losing_a_detok_replica_moves_its_requests_and_the_client_reads_on
     p._on_detok_lost(0, ConnectionError("gone"))
     assert p._live[adds[0].request_id].detok is kept and p._live[adds[2].request_id].detok is kept
     assert (lost.num_open_sequences, kept.num_open_sequences) == (0, 3)
+    reopened_metric = 'tokenwire:detok_sequences_reopened_total{worker="127.0.0.1:10"}'
+    assert sample(p.metrics.render().decode(), reopened_metric) == 1  # the open one; the other opens later
     reopened = kept._take_frame()
     assert [o.sequence_id for o in reopened.opens] == [sequence] and reopened.opens[0].prompt_tail_ids == [1]
     assert unpack_int32(reopened.columns.token_ids).tolist() == [4, 5]  # every id it was sent
