@@ -288,7 +288,7 @@ class Pipeline:
             # token: its sequences open on another one instead.
             self._move_unopened(request)
         index = request.detok.index
-        renders = bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
+        renders = self._renders_in_stream(request)
         text_ids = seq.token_ids
         if seq.HasField("stop_token_id"):
             if seq.stop_token_id in request.params.stop_token_ids:
@@ -301,12 +301,8 @@ class Pipeline:
         if not state.detok_opened:
             # Opened with its first tokens: a request the model worker refuses never
             # costs the detok worker anything.
-            open_ = open_sequence(state.request_id, self.model_info.tokenizer, request.prompt_token_ids,
-                                  request.params)
+            opens.setdefault(index, []).append(self._open_sequence(request, state, renders))
             state.detok_opened = True
-            if not renders:  # its ids go as TokenColumns rows, its plain text comes back in columns
-                request.detok.assign_handle(open_)
-            opens.setdefault(index, []).append(open_)
         state.text_ids_sent += text_ids
         if not renders and request.detok.has_handle(state.request_id):
             rows.setdefault(index, []).append((state.request_id, text_ids, state.model_finished))
@@ -414,11 +410,21 @@ class Pipeline:
         self._add_on(request, other)
         return True
 
-    def _move_unopened(self, request: _LiveRequest) -> bool:
-        """Moves a request still waiting for its first token (no detok sequence opened yet) to
-        the least loaded other replica that takes new sequences; False if it cannot move."""
-        if any(state.detok_opened for state in request.states):
-            return False
+    def _renders_in_stream(self, request: _LiveRequest) -> bool:
+        """Its logprob tokens' strings come with its text (render_token_ids), so its ids go as
+        per-sequence entries; otherwise as TokenColumns rows, its plain text back in columns."""
+        return bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
+
+    def _open_sequence(self, request: _LiveRequest, state: RequestState, renders: bool) -> detok_worker_pb2.OpenSequence:
+        """The OpenSequence of one output on request.detok, with a handle unless it renders."""
+        open_ = open_sequence(state.request_id, self.model_info.tokenizer, request.prompt_token_ids, request.params)
+        if not renders:
+            request.detok.assign_handle(open_)
+        return open_
+
+    def _move_to_other_detok(self, request: _LiveRequest) -> bool:
+        """Places the request on the least loaded other detok replica that takes new sequences;
+        False if there is none."""
         others = [d for d in self.detoks if d.connected and d is not request.detok]
         if not others:
             return False
@@ -428,30 +434,29 @@ class Pipeline:
         request.detok = moved_to
         return True
 
+    def _move_unopened(self, request: _LiveRequest) -> bool:
+        """Moves a request still waiting for its first token (no detok sequence opened yet) to
+        another replica; False if it cannot move."""
+        return not any(state.detok_opened for state in request.states) and self._move_to_other_detok(request)
+
     def _reopen_elsewhere(self, request: _LiveRequest) -> bool:
-        """Reopens the sequences a lost detok replica had of a request on the least loaded other
-        replica: each with every id it was sent for text (and the ids still to render), its text
-        then skipped up to what the client has been given. Decoding is deterministic, so the
-        client reads on where it was. False if no other replica takes new sequences."""
-        others = [d for d in self.detoks if d.connected and d is not request.detok]
-        if not others:
+        """Moves a request off a lost detok replica, reopening the sequences it had there: each
+        with every id it was sent for text (and the ids still to render), its text then skipped up
+        to what the client has been given. Decoding is deterministic, so the client reads on where
+        it was. Outputs not opened yet open there with their first tokens. False if no other
+        replica takes new sequences."""
+        lost = request.detok
+        if not self._move_to_other_detok(request):
             return False
-        lost, moved_to = request.detok, min(others, key=lambda d: d.num_open_sequences)
-        lost.num_open_sequences -= len(request.states)
-        moved_to.num_open_sequences += len(request.states)
-        request.detok = moved_to
-        renders = bool(request.params.logprobs and self.renderer is not None and self.renderer.renders_in_stream)
+        moved_to = request.detok
+        renders = self._renders_in_stream(request)
         opens, entries, rows = [], [], []
         for state in request.states:
             if state.finished or not state.detok_opened:
-                continue  # ended, or opens with its first tokens, on the new replica now
+                continue
             state.num_accounted = 0  # the new replica counts the replayed ids from the first
             state.skip_text_chars = state.num_text_chars
-            open_ = open_sequence(state.request_id, self.model_info.tokenizer, request.prompt_token_ids,
-                                  request.params)
-            if not renders:
-                moved_to.assign_handle(open_)
-            opens.append(open_)
+            opens.append(self._open_sequence(request, state, renders))
             ids = bytes(state.text_ids_sent)
             if moved_to.has_handle(state.request_id):
                 rows.append((state.request_id, ids, state.model_finished))
@@ -461,8 +466,10 @@ class Pipeline:
                 if renders:
                     entry.render_token_ids = pack_int32(state.pending_render_ids)
                 entries.append(entry)
+        if not opens:
+            return True  # nothing of it was on the lost stream
         moved_to.send(opens, entries, rows)
-        if self.metrics is not None and opens:
+        if self.metrics is not None:
             self.metrics.detok_sequences_reopened.labels(worker=moved_to.address).inc(len(opens))
         logger.info("request %s: its detok replica %s was lost; %d sequence(s) reopened on %s", request.request_id,
                     lost.address, len(opens), moved_to.address)
@@ -474,8 +481,6 @@ class Pipeline:
         for request in list(self._live.values()):
             if request.detok.index != index:
                 continue
-            if self._move_unopened(request):
-                continue  # nothing of it was on the lost stream
             if self._reopen_elsewhere(request):
                 continue
             for state in request.states:

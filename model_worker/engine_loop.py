@@ -262,13 +262,12 @@ class EngineLoop:
         frame = sys._current_frames().get(self._engine_thread_id) if self._engine_thread_id is not None else None
         return "".join(traceback.format_stack(frame)) if frame is not None else "(the engine thread is not running)"
 
-    def arm_fault_timer(self) -> None:
-        """Engine thread, before a step: a step stuck in a call that holds the GIL stops the event
+    def arm_fault_timer(self, now: float) -> None:
+        """Engine thread, before a step that begins now (time.monotonic()): a step stuck in a call that holds the GIL stops the event
         loop too, so nothing in Python (watch_engine) can see it; faulthandler's own C thread then
         prints every thread's stack and exits the process (status 1) fault_timeout_s after the last
         arming. Armed only while steps run (an idle worker paused for long, SIGSTOP or docker pause,
         is no hang), and re-armed at most every FAULT_TIMER_REARM_S: each arming starts a thread."""
-        now = time.monotonic()
         if self._fault_armed_at is None or now - self._fault_armed_at >= FAULT_TIMER_REARM_S:
             faulthandler.dump_traceback_later(self.fault_timeout_s, exit=True)
             self._fault_armed_at = now
@@ -598,9 +597,9 @@ class EngineLoop:
             try:
                 self._apply_pending()
                 if self.engine.has_work():
+                    self._step_began = now = time.monotonic()
                     if self.fault_timeout_s:
-                        self.arm_fault_timer()
-                    self._step_began = time.monotonic()
+                        self.arm_fault_timer(now)
                     try:
                         outputs = self.engine.step()
                     finally:
