@@ -48,10 +48,11 @@ class ThinkStream:
         elif end > start:  # the prompt closed it: what follows is the answer
             self._state = "content" if prompt_tail[end + len(END):].strip() else self._answer_start
 
-    def feed(self, text: str, end_allowed: bool = True) -> tuple[str, str]:
+    def feed(self, text: str, end_allowed: bool = True, brings_end_token: bool = False) -> tuple[str, str]:
         """end_allowed False: a END in this text is thinking too (the model worker, which starts
         a deferred grammar on END's token, has not seen that token yet: the model spelled the tag
-        in other tokens)."""
+        in other tokens). brings_end_token: this text carries END's token, so the thinking ends at
+        its last END; one spelled before the token in the same text is thinking too."""
         self._pending += text
         reasoning: list[str] = []
         content: list[str] = []
@@ -66,7 +67,12 @@ class ThinkStream:
                 else:
                     self._state = "reasoning" if self.starts_in_reasoning else "content"
             elif self._state == "reasoning":
-                end = self._pending.find(END) if end_allowed else -1
+                if not end_allowed:
+                    end = -1
+                elif brings_end_token:
+                    end = self._pending.rfind(END)
+                else:
+                    end = self._pending.find(END)
                 if end < 0:
                     held = partial_tag_length(self._pending, END) if end_allowed else 0
                     reasoning.append(self._pending[:len(self._pending) - held])

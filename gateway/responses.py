@@ -401,9 +401,11 @@ class ChatResponder(_Responder):
         stream = self._reasoning_streams.get(index)
         if stream is None:
             stream = self._reasoning_streams[index] = self._reasoning_stream()
-        if self.think_end_id in event.token_ids:
+        brings_end_token = index not in self._think_ended and self.think_end_id in event.token_ids
+        if brings_end_token:
             self._think_ended.add(index)
-        reasoning, content = stream.feed(event.text, self.think_end_id is None or index in self._think_ended)
+        reasoning, content = stream.feed(event.text, self.think_end_id is None or index in self._think_ended,
+                                         brings_end_token)
         if event.finish_reason is not None:
             more_reasoning, more_content = stream.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
@@ -480,9 +482,10 @@ class ChatResponder(_Responder):
             stream, ended, start = self._reasoning_stream(), False, 0
             reasoning_parts, content_parts = [], []
             for part, count in zip(out.text_parts, out.part_token_counts, strict=True):
-                ended = ended or self.think_end_id in out.token_ids[start:start + count]
+                brings_end_token = not ended and self.think_end_id in out.token_ids[start:start + count]
+                ended = ended or brings_end_token
                 start += count
-                more_reasoning, more_content = stream.feed(part, ended)
+                more_reasoning, more_content = stream.feed(part, ended, brings_end_token)
                 reasoning_parts.append(more_reasoning)
                 content_parts.append(more_content)
             more_reasoning, more_content = stream.finish()

@@ -383,3 +383,32 @@ async def test_with_a_deferred_grammar_the_thinking_ends_at_its_token_not_at_a_s
     # Without a deferred grammar the text decides, as vLLM's parsers do.
     free = ChatResponder("m", ByteSpeller(), logprobs=False, reasoning_parser="deepseek_r1")
     assert free.response([out], 3).model_dump()["choices"][0]["message"]["content"] == "b</think> no"
+
+
+async def test_a_spelled_tag_in_the_event_that_brings_the_thinking_end_token_is_still_thinking() -> None:
+    # The detok worker may hand the spelled tag and token 15 over in one event (text held back for
+    # a stop string); the thinking ends at the event's last "</think>", and a forced call's
+    # arguments are the JSON after it, streamed and whole alike.
+    from gateway.responses import ToolCallMode
+
+    def responder() -> ChatResponder:
+        return ChatResponder("m", ByteSpeller(), logprobs=False, reasoning_parser="deepseek_r1", constrained=True,
+                             think_end_id=15, tool_calls=ToolCallMode("pick"))
+
+    events = [(0, event("a </think> b</think>", [1, 2, 3, 15])), (0, event('{"a": 1}', [4], finish="stop"))]
+    out = ChoiceOutput()
+    for _, e in events:
+        out.add(e)
+    message = responder().response([out], 3).model_dump()["choices"][0]["message"]
+    assert message["reasoning"] == "a </think> b"
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == ['{"a": 1}']
+    parts = await collect(sse_stream(events[0], events_then(events[1:]), responder(), 3, [3] * 1))
+    deltas = [c["choices"][0]["delta"] for c in (json.loads(p[6:]) for p in parts if p.startswith("data: {"))]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "a </think> b"
+    arguments = [call["function"]["arguments"] for d in deltas for call in d.get("tool_calls") or []]
+    assert "".join(arguments) == '{"a": 1}'
+    # The answer starts in the same event: the text after the token's tag is the call's.
+    same_event = responder()
+    chunk = as_json(same_event.chunk(0, event('a </think> b</think>{"a"', [1, 2, 3, 15, 4])))
+    assert chunk["choices"][0]["delta"]["reasoning"] == "a </think> b"
+    assert chunk["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"a"'
