@@ -129,6 +129,32 @@ async def mark_not_serving(health_servicer: health.aio.HealthServicer, full_serv
 FLUSH_S = 0.5
 
 
+class CallEndedWhileSendingFilter(logging.Filter):
+    """grpc.aio logs an ERROR with a traceback ("ExecuteBatchError raised in core by servicer
+    method") when a call ends while the server is sending it a message: its write's batch
+    fails, and grpc logs that instead of raising it (grpc/grpc#32551). It happens whenever a
+    client cancels a stream it has stopped reading, which is the client's doing, not a fault
+    here; the record becomes one INFO line without the traceback."""
+
+    PREFIX = "ExecuteBatchError raised in core by servicer method"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith(self.PREFIX):
+            method = record.getMessage()[len(self.PREFIX):].strip()
+            record.msg, record.args = "a call ended while a message was being sent to it: %s", (method,)
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_CYGRPC_LOGGER = logging.getLogger("grpc._cython.cygrpc")
+
+
+def quiet_calls_ended_while_sending() -> None:
+    if not any(isinstance(f, CallEndedWhileSendingFilter) for f in _CYGRPC_LOGGER.filters):
+        _CYGRPC_LOGGER.addFilter(CallEndedWhileSendingFilter())
+
+
 async def serve_until_signal(server: grpc.aio.Server, address: str, grace_s: float = DEFAULT_GRACE_S,
                              tls: ServerTLS | None = None,
                              health_servicer: health.aio.HealthServicer | None = None,
@@ -142,6 +168,7 @@ async def serve_until_signal(server: grpc.aio.Server, address: str, grace_s: flo
     way out: cancelling a call drops what it has not sent) before the rest (health watches,
     streams that stay open) is cancelled.
     """
+    quiet_calls_ended_while_sending()
     add_port(server, address, tls)
     await server.start()
     logger.info("listening on %s (%s)", address, "mTLS" if tls and tls.client_ca_file else
