@@ -81,7 +81,7 @@ def sampling_from_proto(add: pb.AddRequest) -> SamplingParams:
         sampler_order=SamplerOrder(s.sampler_order) if s.sampler_order in tuple(SamplerOrder) else s.sampler_order,
         seed=s.seed if s.HasField("seed") else None,
         logprobs=add.logprobs,
-        top_logprobs=add.top_logprobs if add.logprobs else 0,
+        top_logprobs=add.top_logprobs,
         logprobs_mode=(LogprobsMode(add.logprobs_mode) if add.logprobs_mode in tuple(LogprobsMode)
                        else add.logprobs_mode),
         prompt_logprobs=add.prompt_logprobs if add.HasField("prompt_logprobs") else None,

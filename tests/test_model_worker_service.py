@@ -146,6 +146,9 @@ def test_bad_requests_fail_alone_with_invalid_argument(stub, bad_add, message):
     # A vocabulary's worth a token passed gRPC's 64 MiB message limit and ended the whole stream.
     (add("e", [1, 2], logprobs=True, top_logprobs=21), "top_logprobs", "--max-logprobs"),
     (add("e", [1, 2], prompt_logprobs=49152), "prompt_logprobs", "--max-logprobs"),
+    # Alternatives without logprobs were dropped without a word (the proto says they need it).
+    (add("e", [1, 2], top_logprobs=3), "top_logprobs", "needs logprobs"),
+    (add("e", [1, 2], top_logprobs=-5), "top_logprobs", "must be in [0, 20]"),
     (add("", [1, 2]), "request_id", "request_id is empty"),
 ])
 def test_refusals_name_the_field_at_fault(stub, bad_add, field, message):

@@ -69,6 +69,8 @@ def validate_sampling_params(p: SamplingParams, vocab_size: int, max_tokens: int
          "sampling.min_tokens", f"min_tokens ({p.min_tokens}) must not exceed max_tokens ({max_tokens})"),
         (0 <= p.top_logprobs <= most,
          "top_logprobs", f"top_logprobs must be in [0, {most}]{limit}, not {p.top_logprobs}"),
+        (p.top_logprobs == 0 or p.logprobs,
+         "top_logprobs", "top_logprobs needs logprobs set to true (OpenAI's and vLLM's rule)"),
         (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= most,
          "prompt_logprobs", f"prompt_logprobs must be in [0, {most}]{limit}, not {p.prompt_logprobs}"),
         (p.sampler_order in tuple(SamplerOrder),
