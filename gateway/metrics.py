@@ -33,11 +33,13 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # GetLoad counts sequences: each sample of n > 1 and each beam search round, as vLLM v1
+        # counts its child requests under the same names.
         self.num_requests_running = Gauge(f"{PREFIX}num_requests_running",
-                                          "Requests the model worker is running (GetLoad)", ["worker"], registry=r)
+                                          "Sequences the model worker is running (GetLoad)", ["worker"], registry=r)
         self.num_requests_waiting = Gauge(f"{PREFIX}num_requests_waiting",
-                                          "Requests waiting in the model worker's queue (GetLoad)", ["worker"],
-                                          registry=r)
+                                          "Sequences waiting in the model worker's queue: new, preempted, beam "
+                                          "search rounds (GetLoad)", ["worker"], registry=r)
         self.kv_cache_usage_perc = Gauge(f"{PREFIX}kv_cache_usage_perc",
                                          "Fraction of KV cache blocks in use, 0..1 (GetLoad)", ["worker"], registry=r)
         self.model_worker_sequences = Gauge(f"{PREFIX}gateway_model_worker_sequences",
