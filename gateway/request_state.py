@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tokenwire.packing import unpack_float32, unpack_int32
 from tokenwire.v1 import detok_worker_pb2, model_worker_pb2
 
@@ -31,13 +33,23 @@ class PromptLogprobs:
     ranks: list[int] = field(default_factory=list)
 
 
+# OpenAI's logprobs are finite numbers: a token the model worker's mask ruled out (a grammar, a
+# padded vocabulary) has -inf, which JSON cannot carry; vLLM's API writes -9999.0 for it.
+MIN_LOGPROB = -9999.0
+
+
+def api_logprobs(buf: bytes) -> np.ndarray:
+    """Packed float32 logprobs, with -inf as MIN_LOGPROB (a NaN, the first prompt token's, stays)."""
+    return np.maximum(unpack_float32(buf), MIN_LOGPROB)
+
+
 def prompt_logprobs_of(seq: model_worker_pb2.SequenceTokens) -> PromptLogprobs:
-    logprobs: list[float | None] = [None if math.isnan(lp) else lp for lp in unpack_float32(seq.prompt_logprobs).tolist()]
+    logprobs: list[float | None] = [None if math.isnan(lp) else lp for lp in api_logprobs(seq.prompt_logprobs).tolist()]
     k = seq.num_prompt_top_logprobs
     top: list[list[tuple[int, float]]] = [[] for _ in logprobs]
     if k > 0 and seq.prompt_top_token_ids:
         ids = unpack_int32(seq.prompt_top_token_ids).reshape(-1, k).tolist()  # [num_prompt_tokens, k]
-        lps = unpack_float32(seq.prompt_top_logprobs).reshape(-1, k).tolist()
+        lps = api_logprobs(seq.prompt_top_logprobs).reshape(-1, k).tolist()
         top = [[(t, lp) for t, lp in zip(row_ids, row_lps, strict=True) if t >= 0]
                for row_ids, row_lps in zip(ids, lps, strict=True)]
     ranks = unpack_int32(seq.prompt_ranks).tolist() if seq.prompt_ranks else []
@@ -105,11 +117,11 @@ class RequestState:
         new_ids = unpack_int32(seq.token_ids)
         self.token_ids.extend(new_ids.tolist())
         if seq.logprobs:
-            self.logprobs.extend(unpack_float32(seq.logprobs).tolist())
+            self.logprobs.extend(api_logprobs(seq.logprobs).tolist())
         k = seq.num_top_logprobs
         if k > 0 and seq.top_token_ids:
             top_ids = unpack_int32(seq.top_token_ids).reshape(-1, k).tolist()  # [num_new_tokens, k]
-            top_lps = unpack_float32(seq.top_logprobs).reshape(-1, k).tolist()
+            top_lps = api_logprobs(seq.top_logprobs).reshape(-1, k).tolist()
             self.top_logprobs.extend(list(zip(ids, lps, strict=True)) for ids, lps in zip(top_ids, top_lps, strict=True))
         if seq.num_prompt_tokens:
             self.num_prompt_tokens = seq.num_prompt_tokens

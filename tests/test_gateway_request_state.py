@@ -98,6 +98,22 @@ def test_top_logprobs_unpack_row_major() -> None:
     assert event.top_logprobs == [[(7, -0.5), (8, -1.5)], [(9, -0.25), (7, -2.0)]]
 
 
+def test_minus_infinity_goes_out_as_vllms_minus_9999() -> None:
+    # A token the grammar ruled out has -inf, which JSON cannot carry; the first prompt token's
+    # NaN (no logprob) stays None.
+    inf = float("-inf")
+    state = RequestState("r", 4)
+    state.record_tokens(tokens([7], logprobs=[-0.5], top=[[(7, -0.5), (8, inf)]]))
+    assert state.take_event(delta("x")).top_logprobs == [[(7, -0.5), (8, -9999.0)]]
+    seq = tokens([10])
+    seq.prompt_logprobs = pack_float32([float("nan"), inf])
+    seq.num_prompt_top_logprobs = 1
+    seq.prompt_top_token_ids = pack_int32([-1, 7])
+    seq.prompt_top_logprobs = pack_float32([float("nan"), inf])
+    prompt = prompt_logprobs_of(seq)
+    assert (prompt.logprobs, prompt.top_logprobs) == ([None, -9999.0], [[], [(7, -9999.0)]])
+
+
 def test_num_tokens_attaches_only_the_tokens_a_delta_covers() -> None:
     state = RequestState("r", 4)
     state.record_tokens(tokens([1, 2, 3]))

@@ -196,6 +196,21 @@ def test_structured_output_bitmask_hook():
     assert out.token_ids.item() == 39
 
 
+def test_raw_logprobs_are_over_the_tokens_the_grammar_allows():
+    # vLLM V1 masks the logits with the grammar before its sampler: a guided choice between two
+    # tokens reads its chosen token's probability among those two, and no forbidden alternative.
+    logits = torch.arange(40, dtype=torch.float32)[None, :].repeat(2, 1)
+    bitmask = torch.tensor([[0b0100, 1 << 2], [0, 0]], dtype=torch.int32)  # row 0: tokens 2 and 34; row 1: none
+    params = SamplingParams(logprobs=True, top_logprobs=3)
+    out = Sampler(40, CPU).sample(logits.clone(), [seq(0, params), seq(1, params)], allowed_token_bitmask=bitmask)
+    assert out.token_ids[0].item() == 34
+    expected = -math.log1p(math.exp(2.0 - 34.0))
+    assert out.logprobs[0].item() == pytest.approx(expected, abs=1e-6) == out.raw_logprobs[0].item()
+    assert out.top_token_ids[0, :2].tolist() == [34, 2] and out.top_logprobs[0, 2].item() == float("-inf")
+    # A row the grammar leaves empty (a parser in error) keeps finite logprobs; its matcher ends it.
+    assert out.token_ids[1].item() == 39 and math.isfinite(out.logprobs[1].item())
+
+
 def test_processed_logprobs_follow_the_filters():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     params = SamplingParams(temperature=1.0, top_k=2, seed=0, logprobs=True, top_logprobs=4,

@@ -92,15 +92,23 @@ class Sampler:
 
         allowed_token_bitmask: [S, ceil(V / 32)] int32 (xgrammar's layout, bit j of word w allows
         token 32 * w + j; a row of all -1 is unconstrained), the structured-output hook: applied
-        after logit_bias and penalties, before temperature and the filters.
+        to the logits first, as vLLM V1 applies it before its sampler, so raw logprobs (and
+        cumulative_logprob) are over the tokens the grammar allows; a guided choice's token read
+        p=0.008 with five forbidden alternatives when they were taken before it.
         """
         batch = self._batch_for(seqs)
         logits = logits.float()
-        if batch.fast_greedy and allowed_token_bitmask is None:
+        if allowed_token_bitmask is not None:
+            allowed = processors.unpack_token_bitmask(allowed_token_bitmask, logits.shape[-1])
+            # A row the grammar leaves empty (a parser in error) keeps its logits: its logprobs
+            # stay finite, and the token drawn is refused by its matcher, which ends the sample.
+            allowed |= ~allowed.any(dim=-1, keepdim=True)
+            logits = logits.masked_fill(~allowed, NEG_INF)  # out of place: the caller's may be float already
+        if batch.fast_greedy:
             token_ids = self._argmax(logits)
             out = self._logprobs(batch, logits, None, token_ids)
         else:
-            final = self._process(batch, logits, seqs, allowed_token_bitmask)
+            final = self._process(batch, logits, seqs, None)
             token_ids = self._draw(batch, final)
             out = self._logprobs(batch, logits, final, token_ids)
             if batch.allowed_rows is not None:
