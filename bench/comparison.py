@@ -28,7 +28,8 @@ def levels_by_x(report: dict[str, Any]) -> dict[float, dict[str, Any]]:
 
 def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One report from repeated runs of a system: at each level the run with the most output
-    tok/s (on a shared machine the slower runs measure the neighbours, not the system), plus
+    tok/s (on a shared machine the slower runs measure the neighbours, not the system) among
+    those where no request failed (a round that lost requests measured a lighter load), plus
     every run's tok/s under `output_throughput_runs` so the spread stays visible."""
     merged = {**runs[-1], "repeats": len(runs)}
     per_x: dict[float, list[dict[str, Any]]] = {}
@@ -36,7 +37,7 @@ def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for x, level in levels_by_x(run).items():
             per_x.setdefault(x, []).append(level)
     merged["levels"] = [
-        {**max(levels, key=lambda lv: lv["output_throughput"]),
+        {**max(levels, key=lambda lv: (not lv.get("failed"), lv["output_throughput"])),
          "output_throughput_runs": [lv["output_throughput"] for lv in levels]}
         for _, levels in sorted(per_x.items())
     ]
@@ -77,8 +78,10 @@ def comparison_table(reports: dict[str, dict[str, Any]], workload: Workload) -> 
 
 
 def _level(reports: dict[str, dict[str, Any]], system: str, x: float) -> dict[str, Any] | None:
+    """The system's level at x where every request of it completed: one that lost requests ran a
+    lighter load than the others and is no term of a ratio."""
     level = levels_by_x(reports[system]).get(x) if system in reports else None
-    return level if level and level["completed"] else None
+    return level if level and level["completed"] and not level.get("failed") else None
 
 
 def _check(name: str, value: float, target: str, met: bool) -> str:
@@ -86,7 +89,8 @@ def _check(name: str, value: float, target: str, met: bool) -> str:
 
 
 def target_checks(reports: dict[str, dict[str, Any]], workload: Workload) -> list[str]:
-    """Issue 4's targets as ratios of this run's figures; a check is left out when a system is missing."""
+    """Issue 4's targets as ratios of this run's figures; a check is left out when a system is
+    missing or any of its requests at that level failed (the table's ok column shows which)."""
     if workload.request_rate:
         return []
     checks = []

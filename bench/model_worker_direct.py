@@ -74,8 +74,10 @@ class GenerateStreamDriver:
                         record.error = "aborted by the model worker"
                     del self._live[seq.request_id]
                     done.set()
+        ended = time.perf_counter()
         for record, done in self._live.values():  # the stream ended under them
             record.error = record.error or "the Generate stream ended"
+            record.end = ended  # not 0, which would span the machine's uptime
             done.set()
         self._live.clear()
 
@@ -85,7 +87,7 @@ class GenerateStreamDriver:
         done = asyncio.Event()
         self._live[request_id] = (record, done)
         if self._reader.done():
-            record.error = "the Generate stream ended"
+            record.error, record.end = "the Generate stream ended", time.perf_counter()
             return record
         async with self._writing:
             await self.call.write(pb.RequestFrame(adds=[pb.AddRequest(

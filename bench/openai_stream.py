@@ -32,6 +32,12 @@ class RequestSpec:
     extra_body: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def fixed_length(self) -> bool:
+        """Every output is meant to be exactly max_tokens long: ignore_eos, or a min_tokens of
+        max_tokens (llama-cpp-python's stand-in for it)."""
+        return self.ignore_eos or self.extra_body.get("min_tokens") == self.max_tokens
+
+    @property
     def path(self) -> str:
         return "/completions" if self.api == "completions" else "/chat/completions"
 
@@ -132,17 +138,36 @@ class ChunkTokenCounter:
         return not self.guessed or self.final_total == self.counted
 
 
-def parse_sse_line(line: str) -> dict[str, Any] | None:
-    """The JSON of a `data:` line; None for [DONE], comments, blank lines and other fields."""
+DONE = "[DONE]"
+
+
+def sse_data(line: str) -> str | None:
+    """The payload of a `data:` line; None for comments, blank lines and other fields."""
     if not line.startswith("data:"):
         return None
-    data = line[5:].strip()
-    if not data or data == "[DONE]":
+    return line[5:].strip() or None
+
+
+def parse_sse_line(line: str) -> dict[str, Any] | None:
+    """The JSON object of a `data:` line; None for [DONE], comments, blank lines and other fields.
+    Raises ValueError for a payload that is not a JSON object (the request then fails alone)."""
+    data = sse_data(line)
+    if data is None or data == DONE:
         return None
-    return json.loads(data)
+    chunk = json.loads(data)
+    if not isinstance(chunk, dict):
+        raise ValueError(f"SSE data is not a JSON object: {data[:100]}")
+    return chunk
 
 
-def client_session(timeout_s: float | None = None) -> aiohttp.ClientSession:
+# The longest a request waits for the server's next bytes before it fails: one stalled stream
+# otherwise held its level, and the whole sweep, for good. Generous, as a server that runs one
+# request at a time (llama-cpp-python's) leaves the last of 128 queued waiting minutes for its
+# first byte.
+READ_TIMEOUT_S = 600.0
+
+
+def client_session(timeout_s: float | None = None, read_timeout_s: float = READ_TIMEOUT_S) -> aiohttp.ClientSession:
     """The HTTP client for a run: no connection cap (queueing belongs to the server under test).
 
     aiohttp rather than httpx: the load generator shares the machine with the server it measures,
@@ -150,7 +175,8 @@ def client_session(timeout_s: float | None = None) -> aiohttp.ClientSession:
     aiohttp's 42 (scratch A/B through the gateway at 32 streams), CPU the server then lacks.
     read_bufsize: one SSE line (a chunk with many logprobs) may exceed aiohttp's 64 KiB default."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                 timeout=aiohttp.ClientTimeout(total=timeout_s), read_bufsize=1 << 22)
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s, sock_read=read_timeout_s),
+                                 read_bufsize=1 << 22)
 
 
 async def stream_request(client: aiohttp.ClientSession, url: str, spec: RequestSpec, prompt: Prompt,
@@ -159,6 +185,7 @@ async def stream_request(client: aiohttp.ClientSession, url: str, spec: RequestS
     count_text: tokens in a piece of output text, for servers that report no per-chunk counts."""
     counter = ChunkTokenCounter(spec.api, count_text)
     record = RequestRecord(start=time.perf_counter())
+    saw_done = False
     try:
         async with client.post(url, json=spec.payload(prompt)) as response:
             if response.status != 200:
@@ -166,14 +193,24 @@ async def stream_request(client: aiohttp.ClientSession, url: str, spec: RequestS
                 raise StreamError(f"HTTP {response.status}: {body[:300]}")
             async for raw_line in response.content:  # one SSE line at a time, b"\n" kept
                 now = time.perf_counter()
-                chunk = parse_sse_line(raw_line.decode())
+                line = raw_line.decode()
+                chunk = parse_sse_line(line)
                 if chunk is not None:
                     record.add_chunk(now, counter.feed(chunk))
+                elif sse_data(line) == DONE:
+                    saw_done = True
     except (StreamError, aiohttp.ClientError, ValueError, TimeoutError) as exc:  # ValueError: bad JSON, an over-long line
         record.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StreamError) else str(exc)
     record.end = time.perf_counter()
     counter.finish(spec.max_tokens)
     record.num_output_tokens = counter.total
+    # A stream cut short cleanly, or an output shorter than the run asked for, measured another
+    # workload than the others: a failure, not a fast request.
+    if record.error is None and not saw_done:
+        record.error = "the stream ended without data: [DONE]"
+    elif record.error is None and spec.fixed_length and counter.total != spec.max_tokens:
+        record.error = (f"{counter.total} output tokens, not the {spec.max_tokens} asked "
+                        f"(finish_reason {counter.finish_reason}): ignore_eos / min_tokens not honoured")
     # Without usage, the prompt's own length (exact for text prompts, see prompts.py; a server may add a BOS).
     record.num_prompt_tokens = counter.prompt_tokens if counter.prompt_tokens is not None else len(prompt.token_ids)
     record.exact_token_counts = counter.exact

@@ -134,8 +134,11 @@ def run_llama_cpp(runner: Runner, args: argparse.Namespace, workload: Workload, 
     try:
         wait_http_ok(ServiceProcess("llama_cpp_server", argv, server), f"http://127.0.0.1:{port}/v1/models", 300)
         # llama-cpp-python has no ignore_eos; its own min_tokens (= max_tokens) masks EOS until the
-        # end, the same thing under greedy decoding. It runs the GGUF as is (Q4_1 weights).
-        extra = {"min_tokens": workload.output_tokens}
+        # end, the same thing under greedy decoding (it masks the tokenizer's EOS only: an output
+        # that ends on another end-of-generation token is short, and loadgen fails it). Its server
+        # applies repeat_penalty 1.1 by default, before the greedy pick: 1.0 makes it plain greedy,
+        # as the other systems run. It runs the GGUF as is (Q4_1 weights).
+        extra = {"min_tokens": workload.output_tokens, "repeat_penalty": 1.0}
         return runner.run("llama_cpp", [*loadgen, "--base-url", f"http://127.0.0.1:{port}/v1",
                                         "--label", SYSTEMS["llama_cpp"], "--extra-body", json.dumps(extra)])
     except RuntimeError as exc:

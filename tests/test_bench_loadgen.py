@@ -177,6 +177,8 @@ def test_chunk_counter_guess_is_checked_against_final_usage():
 
 def test_sse_lines_and_error_events():
     assert parse_sse_line("data: [DONE]") is None
+    with pytest.raises(ValueError, match="not a JSON object"):
+        parse_sse_line("data: [1, 2]")
     assert parse_sse_line(": keep-alive") is None
     assert parse_sse_line('data: {"a": 1}') == {"a": 1}
     with pytest.raises(Exception, match="boom"):
@@ -190,8 +192,12 @@ class FakeServer:
     """Streams `max_tokens` tokens as chunks of 1, 2, 1, 2, ... tokens, 5 ms apart, and records the
     most requests it ever had in flight. usage per chunk only when continuous_usage_stats is asked."""
 
-    def __init__(self, continuous_usage: bool = True) -> None:
+    def __init__(self, continuous_usage: bool = True, fault: str | None = None) -> None:
         self.continuous_usage = continuous_usage
+        # A broken server: "short" (stops after 3 tokens, finish_reason stop), "no_done" (ends the
+        # body after 3 tokens without [DONE]), "not_object" (a data line that is a JSON string),
+        # "stall" (sends 1 token, then nothing, the connection open).
+        self.fault = fault
         self.in_flight = 0
         self.max_in_flight = 0
         self.bodies: list[dict] = []
@@ -219,8 +225,14 @@ class FakeServer:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
                 sent, size = 0, 1
+                if self.fault == "not_object":
+                    yield 'data: "hello"\n\n'
                 while sent < body["max_tokens"]:
                     await asyncio.sleep(0.005)
+                    if self.fault == "stall" and sent:
+                        await asyncio.sleep(30)
+                    if self.fault in ("short", "no_done") and sent >= 3:
+                        break
                     n = min(size, body["max_tokens"] - sent)
                     sent += n
                     chunk = {"choices": [{"index": 0, "text": "x" * n, "finish_reason": None}]}
@@ -228,6 +240,10 @@ class FakeServer:
                         chunk["usage"] = {"prompt_tokens": num_prompt, "completion_tokens": sent}
                     yield f"data: {json.dumps(chunk)}\n\n"
                     size = 3 - size  # 1, 2, 1, 2, ...
+                if self.fault == "no_done":
+                    return
+                if self.fault == "short":
+                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'finish_reason': 'stop'}]})}\n\n"
                 if options.get("include_usage"):
                     usage = {"prompt_tokens": num_prompt, "completion_tokens": sent}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
@@ -327,9 +343,35 @@ def test_loadgen_rate_mode_and_http_errors(serve):
     assert summarize(bad, 2).failed == 2
 
 
+@pytest.mark.parametrize("fault, error", [
+    ("short", "3 output tokens, not the 8 asked (finish_reason stop)"),
+    ("no_done", "the stream ended without data: [DONE]"),
+    ("not_object", "SSE data is not a JSON object"),
+    ("stall", "TimeoutError"),
+])
+def test_a_broken_stream_fails_its_request_instead_of_passing_or_ending_the_sweep(serve, fault, error):
+    # Each of these counted as a success (short, no_done), raised out of the whole level
+    # (not_object) or hung it for good (stall).
+    base_url = serve(FakeServer(fault=fault))
+    records = asyncio.run(_run_level(base_url, RequestSpec("completions", "fake-model", 8), _prompts(2),
+                                     Level(2, None, 2), read_timeout_s=1.0))
+    assert [r.ok for r in records] == [False, False]
+    assert all(error in r.error for r in records), [r.error for r in records]
+    assert summarize(records, 2).failed == 2
+
+
+def test_a_short_output_is_fine_where_the_run_does_not_ask_for_a_fixed_length(serve):
+    base_url = serve(FakeServer(fault="short"))
+    spec = RequestSpec("completions", "fake-model", 8, ignore_eos=False)
+    assert not spec.fixed_length
+    assert RequestSpec("completions", "m", 8, ignore_eos=False, extra_body={"min_tokens": 8}).fixed_length
+    records = asyncio.run(_run_level(base_url, spec, _prompts(2), Level(2, None, 2)))
+    assert all(r.ok and r.num_output_tokens == 3 for r in records)
+
+
 async def _run_level(base_url: str, spec: RequestSpec, prompts: list[Prompt], level: Level,
-                     count_text=None) -> list[RequestRecord]:
-    async with client_session(timeout_s=10) as client:
+                     count_text=None, read_timeout_s: float = 10.0) -> list[RequestRecord]:
+    async with client_session(timeout_s=10, read_timeout_s=read_timeout_s) as client:
         return await run_level(client, base_url + spec.path, spec, prompts, level, count_text=count_text)
 
 
@@ -440,6 +482,23 @@ def test_best_of_keeps_each_levels_fastest_run_and_the_spread():
     assert "| 8 | tokenwire (gateway) | 80.0 (60.0-80.0) | - |" in table
 
 
+def test_rounds_that_lost_requests_are_not_the_best_and_not_a_term_of_a_target():
+    from bench.comparison import best_of, target_checks
+
+    clean, lossy = _report("tw", {32: 1100.0}), _report("tw", {32: 1450.0})
+    lossy["levels"][0]["failed"] = 12
+    clean["levels"][0]["failed"] = 0
+    merged = best_of([clean, lossy])
+    assert merged["levels"][0]["output_throughput"] == 1100.0
+    assert merged["levels"][0]["output_throughput_runs"] == [1100.0, 1450.0]
+    engine = _report("engine", {32: 1500.0})
+    engine["levels"][0]["failed"] = 0
+    workload = Workload(concurrency=(32,))
+    assert "engine-alone output tok/s at 32 streams: 0.73" in "\n".join(
+        target_checks({"tokenwire": merged, "engine": engine}, workload))
+    assert not target_checks({"tokenwire": lossy, "engine": engine}, workload)
+
+
 def test_rate_levels_under_one_concurrency_cap_stay_apart():
     # --request-rate 2,4,8 --max-concurrency 32: every level had concurrency 32, and they were
     # merged into one (best_of kept one, the side-by-side table was empty).
@@ -512,3 +571,26 @@ def test_side_by_side_runner_puts_json_before_the_model_worker_flags(tmp_path):
     assert (tmp_path / "engine-1.log").is_file()
     assert runner.run("hf_static", [sys.executable, "-c", "raise SystemExit(3)"]) is None
     assert "exit code 3" in runner.notes["hf_static"]
+
+
+def test_generate_batch_requests_are_timed_from_their_creation_not_from_the_call():
+    # generate_batch builds its manager, cache and warm-up before it makes the requests: timed
+    # from the call, that setup was 17-34% of every TTFT the baseline reported.
+    from types import SimpleNamespace
+
+    from bench.hf_baselines import run_continuous
+
+    class SlowToStart:
+        generation_config = SimpleNamespace(pad_token_id=0)
+
+        def generate_batch(self, inputs, generation_config, cb_config, **kwargs):
+            time.sleep(0.05)  # the manager's setup
+            created = time.perf_counter()
+            return {f"r{i}": SimpleNamespace(generated_tokens=[1, 2], error=None, created_time=created,
+                                             timestamps=[created + 0.01, created + 0.02])
+                    for i, _ in enumerate(inputs)}
+
+    called = time.perf_counter()
+    records = run_continuous(SlowToStart(), _prompts(2), Level(2, None, 2), output_tokens=2)
+    assert all(r.start >= called + 0.05 for r in records)
+    assert all(r.ttft == pytest.approx(0.01) and r.num_output_tokens == 2 for r in records)
