@@ -387,6 +387,12 @@ class ModelRunner:
         """False on the transformers path, whose per-sequence caches share no blocks."""
         return not isinstance(self.model, HFCausalLM)
 
+    def release(self, seq_id: int) -> None:
+        """A sequence ended (finished or aborted): the transformers path drops its cache now; the
+        paged cache's blocks the block manager frees."""
+        if isinstance(self.model, HFCausalLM):
+            self.model.release(seq_id)
+
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> StepLogits:
         if isinstance(self.model, HFCausalLM):

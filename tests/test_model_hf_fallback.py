@@ -40,7 +40,17 @@ def _opt():
         word_embed_proj_dim=64, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0))
 
 
-BUILDERS = {"GPTNeoXForCausalLM": _gpt_neox, "OPTForCausalLM": _opt}
+def _mamba():
+    # A state-space model: its cache is a state, not KV, passed under transformers 5's `cache`
+    # (given as past_key_values it was ignored, and every step restarted from an empty state).
+    from transformers import MambaConfig, MambaForCausalLM
+
+    return MambaForCausalLM(MambaConfig(
+        vocab_size=49152, hidden_size=64, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0))
+
+
+BUILDERS = {"GPTNeoXForCausalLM": _gpt_neox, "OPTForCausalLM": _opt, "MambaForCausalLM": _mamba}
 
 
 def tiny_model(tmp_path, tiny_model_dir, architecture: str):
@@ -64,6 +74,8 @@ def test_ragged_steps_match_transformers(tmp_path, tiny_model_dir, architecture)
     runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=8, max_model_len=128)
     assert isinstance(runner.model, HFCausalLM)
     assert not runner.supports_prefix_caching
+    # Mamba takes its cache one token at a time: its later prefill chunks are computed from token 0.
+    assert runner.model.continues_chunks == (architecture != "MambaForCausalLM")
     # A 7-token budget pushes the 37-token prompt through 6 chunks beside the others' decodes.
     assert_greedy_matches_transformers(runner, model)
 
@@ -143,6 +155,32 @@ def test_prompt_logprobs_match_transformers(neox):
     model, model_dir = neox
     runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=8, max_model_len=128)
     assert_prompt_logprobs_match_transformers(runner, model)
+
+
+def test_an_ended_sequence_drops_its_cache_at_once(neox):
+    # Not at the next request's step: an idle worker held the caches of everything that had run.
+    _, model_dir = neox
+    runner = ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=4, max_model_len=64)
+    engine = LLMEngine(runner, [], max_num_seqs=4, max_num_batched_tokens=64, max_waiting_requests=4)
+    engine.add_request(0, PROMPTS[2], SamplingParams(), 3, [], True)
+    engine.add_request(1, PROMPTS[3], SamplingParams(), 50, [], True)
+    engine.step()
+    assert runner.model.num_cached_sequences == 2
+    engine.abort_request(1)
+    while engine.has_work():
+        engine.step()
+    assert runner.model.num_cached_sequences == 0 and engine.block_manager.num_used_blocks == 0
+
+
+def test_a_model_whose_forward_takes_no_cache_is_refused(tmp_path, tiny_model_dir):
+    # RWKV's forward takes its recurrent state as `state`: every step failed on the missing field.
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    model = RwkvForCausalLM(RwkvConfig(vocab_size=49152, hidden_size=32, num_hidden_layers=2,
+                                       attention_hidden_size=32, intermediate_size=64, context_length=64))
+    model_dir = save_tiny_model(model, tmp_path, tiny_model_dir)
+    with pytest.raises(ValueError, match="takes no cache argument"):
+        ModelRunner(model_dir, "auto", CPU, torch.float32, max_num_seqs=2, max_model_len=64)
 
 
 def test_architecture_transformers_cannot_build_is_refused(tmp_path):

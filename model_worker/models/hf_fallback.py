@@ -6,9 +6,10 @@ engine, scheduler and block manager work as for native models, but KV lives in t
 per-sequence caches, not in the paged KV cache, so nothing is shared by block:
 - prefix caching: the runner reports supports_prefix_caching False and the engine turns it
   off; a chunk that still starts past what its cache holds is recomputed from token 0;
-- finish, abort, preemption (recompute): a sequence's cache is dropped at the start of the
-  next step once the block manager freed its blocks (block_table empty), before any forward
-  allocates; a chunk starting at 0 always starts a fresh cache;
+- finish, abort: the engine releases a sequence's cache when it ends; preemption (recompute):
+  its cache is dropped at the start of the next step once the block manager freed its blocks
+  (block_table empty), before any forward allocates; a chunk starting at 0 always starts a
+  fresh cache;
 - n > 1 forks: a child with no cache copies the cache of a live sequence that holds exactly
   its first `start` tokens (its parent, before this step runs), else recomputes them;
 - memory: the block manager still hands out blocks from a budget sized by an estimate of
@@ -80,6 +81,9 @@ class _SequenceCache:
     num_tokens: int
 
 
+CACHE_KEYWORDS = ("cache", "past_key_values", "cache_params")
+
+
 class HFCausalLM:
     """A transformers AutoModelForCausalLM plus one cache per live sequence (by seq_id)."""
 
@@ -104,8 +108,36 @@ class HFCausalLM:
         head = self.model.get_output_embeddings()
         if head is not None:  # the logits' width, should the checkpoint pad its vocabulary
             shape.vocab_size = head.weight.shape[0]
-        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        params = inspect.signature(self.model.forward).parameters
+        self._takes_logits_to_keep = "logits_to_keep" in params
+        # The forward's cache argument, and the output field it comes back in, by the name this
+        # transformers gives it: `cache` in 5.x (past_key_values only through a shim that is to go,
+        # and not at all for state-space models: Mamba ignored it and restarted from an empty
+        # state every step), past_key_values or Mamba's cache_params in 4.x.
+        self._cache_kw = next((kw for kw in CACHE_KEYWORDS if kw in params), None)
+        if self._cache_kw is None:
+            raise ValueError(f"architectures {shape.architectures}: their forward takes no cache argument this "
+                             f"fallback knows ({', '.join(CACHE_KEYWORDS)}), so each step would recompute "
+                             "the whole sequence; not supported")
         self._caches: dict[int, _SequenceCache] = {}  # by seq_id
+        self.continues_chunks = self._continues_chunks()
+        if not self.continues_chunks:
+            logger.warning("architectures %s: a forward of several tokens on top of a cache differs from one "
+                           "forward of them all (state-space models in transformers); a prefill chunk past the "
+                           "first is computed from token 0 (slower, exact)", shape.architectures)
+
+    @torch.inference_mode()
+    def _continues_chunks(self) -> bool:
+        """Whether 4 tokens forwarded on top of the cache of 4 before them give the logits one
+        forward of all 8 gives. Mamba's forward in transformers takes a cache only one token at a
+        time: chunked prefill on it read logprobs 0.07 off (the tokens happened to agree)."""
+        ids = torch.arange(1, 9, device=self.device)[None] % self.shape.vocab_size  # [1, 8]
+        whole = self.model(input_ids=ids, use_cache=True).logits[0, 4:].float()
+        first = self.model(input_ids=ids[:, :4], use_cache=True)
+        rest = self.model(input_ids=ids[:, 4:], use_cache=True, **{self._cache_kw: getattr(first, self._cache_kw)})
+        # Beyond the rounding of the dtype: bf16's chunking moves logits ~1e-2 of their size.
+        tolerance = (1e-4 if self.dtype == torch.float32 else 3e-2) * max(float(whole.abs().max()), 1.0)
+        return float((rest.logits[0].float() - whole).abs().max()) <= tolerance
 
     @property
     def num_cached_sequences(self) -> int:
@@ -116,6 +148,11 @@ class HFCausalLM:
         aborted or preempted: deallocate empties the block table)."""
         for seq_id in [i for i, entry in self._caches.items() if not entry.seq.block_table]:
             del self._caches[seq_id]
+
+    def release(self, seq_id: int) -> None:
+        """A finished or aborted sequence's cache goes at once (an idle worker kept them until
+        the next request's step)."""
+        self._caches.pop(seq_id, None)
 
     @torch.inference_mode()
     def begin_step(self, chunks: list[tuple[Sequence, int]]) -> None:
@@ -143,14 +180,16 @@ class HFCausalLM:
         """Computes seq's tokens [start, start + num_tokens) on top of its cache; returns the
         logits [keep, V] float32 of the chunk's last `keep` positions."""
         entry = self._caches.get(seq.seq_id)
-        if start == 0 or entry is None or entry.num_tokens != start:
-            # No cache holding exactly the first `start` tokens: compute them too.
+        if (start == 0 or entry is None or entry.num_tokens != start
+                or (num_tokens > 1 and not self.continues_chunks)):
+            # No cache holding exactly the first `start` tokens (or one the model cannot take
+            # several tokens on): compute them too.
             entry = _SequenceCache(seq, None, 0)
         token_ids = seq.token_ids_from(entry.num_tokens, start + num_tokens - entry.num_tokens)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, n]
         kwargs = {"logits_to_keep": keep} if self._takes_logits_to_keep else {}
-        out = self.model(input_ids=input_ids, past_key_values=entry.cache, use_cache=True, **kwargs)
-        entry.cache = out.past_key_values
+        out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_kw: entry.cache}, **kwargs)
+        entry.cache = getattr(out, self._cache_kw)
         entry.num_tokens = start + num_tokens
         self._caches[seq.seq_id] = entry
         return out.logits[0, -keep:].float()  # [keep, V]
