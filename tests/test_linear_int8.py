@@ -33,6 +33,20 @@ def test_small_steps_use_int8_and_large_steps_the_exact_bf16_weights():
     assert torch.equal(layer(large), F.linear(large, weight, bias))
 
 
+@pytest.mark.parametrize(("n", "k", "rows"), [(6, 40, 1), (96, 100, 1), (64, 72, 2)])
+def test_torchs_int8_op_is_not_used_where_k_is_not_a_multiple_of_32(n, k, rows):
+    # torch 2.13's _weight_int8pack_mm crashed the process on these shapes, or returned values
+    # near 1e36 ([96, 100] at one row): such a layer keeps no int8 copy and runs its small steps
+    # in bf16, exactly.
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    layer = Linear(weight, int8_small_batch=True)
+    assert layer.int8_weight is None and layer.int8_max_tokens == 0
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, weight))
+    assert Linear(torch.randn(n, 64, generator=gen).bfloat16(), int8_small_batch=True).int8_max_tokens == INT8_MAX_TOKENS
+
+
 def test_int8_needs_cpu_bf16_weights():
     with pytest.raises(ValueError, match="bfloat16"):
         Linear(torch.randn(4, 4), int8_small_batch=True)

@@ -53,6 +53,8 @@ import torch.nn.functional as F
 # tokens: 15.0 ms against bf16's 18.8; the two meet near 12).
 INT8_MAX_TOKENS = 4
 INT8_KERNEL_MAX_TOKENS = 8
+# torch's _weight_int8pack_mm is only safe for K (in_features) a multiple of this.
+INT8_OP_K_MULTIPLE = 32
 # A GGUF-format copy (Q4_1 or Q8_0, kernels/gguf_linear.cpp) has its columns in groups of this
 # many, each with its own scale (and for Q4_1 minimum), and takes steps of at most
 # GGUF_KERNEL_MAX_TOKENS tokens, the kernel's limit, or fewer by format: per x row they do 2-3x
@@ -277,12 +279,16 @@ class Linear:
             self.gguf_exact = torch.equal(dequantize(*quantized), source)
             self.gguf_blocks = pack(*quantized)
             self.gguf_matmul, self.gguf_max_tokens = getattr(gguf_kernel, matmul), GGUF_FORMAT_MAX_TOKENS[gguf_format]
+        # torch's int8 op (where the C++ kernel is not built) crashes the process or returns
+        # values near 1e36 for some shapes whose K is not a multiple of 32 (torch 2.13): such a
+        # layer keeps no int8 copy there, and its small steps run in bf16.
+        if int8_small_batch and not small_batch_supported(weight):
+            raise ValueError("int8 small-batch weights need bfloat16 weights on the CPU")
+        int8_copy = int8_small_batch and (int8_kernel is not None or self.in_features % INT8_OP_K_MULTIPLE == 0)
         # Small steps on an int8 copy, or up to its own limit on a GGUF-format copy; the bf16
         # weights serve the rest (the bf16 kernel's streaming matmul the steps between).
         quantized_small = int8_small_batch or self.gguf_blocks is not None
-        if int8_small_batch:
-            if not small_batch_supported(weight):
-                raise ValueError("int8 small-batch weights need bfloat16 weights on the CPU")
+        if int8_copy:
             self.int8_weight, self.int8_scales = quantize_int8_per_channel(weight)
             if int8_kernel is not None:
                 self.int8_weight = pack_row_blocks(self.int8_weight)
@@ -301,7 +307,7 @@ class Linear:
             if not small_batch_supported(weight):
                 raise ValueError("bf16 small-batch weights need bfloat16 weights on the CPU")
             self.bf16_blocks = pack_row_blocks(weight)
-            if not int8_small_batch:  # with int8 small-step weights, the packed copy serves larger steps only
+            if not int8_copy:  # with int8 small-step weights, the packed copy serves larger steps only
                 self.bf16_matmul, self.bf16_max_tokens = bf16_kernel.bf16_linear, BF16_KERNEL_MAX_TOKENS
             if bf16_large_steps != "onednn":
                 self.bf16_large = getattr(bf16_kernel, LARGE_STEP_KERNELS[bf16_large_steps])
