@@ -71,9 +71,11 @@ class BeamSearch:
 
     @property
     def num_candidates(self) -> int:
-        """Candidates asked per beam: 2W, so W beams survive even if W candidates stop (more
-        when the request wants more alternatives in its logprobs)."""
-        return max(2 * self.beam_width, self.top_logprobs)
+        """Candidates asked per beam: (1 + stop ids) x W, at least 2W, as transformers keeps, so W
+        beams survive however many of the candidates stop (with 2W and several stop ids, a round
+        could keep fewer than W beams, and 2 of 60 searches ended on worse hypotheses than
+        transformers'); more when the request wants more alternatives in its logprobs."""
+        return max((1 + len(self.stop_token_ids)) * self.beam_width, 2 * self.beam_width, self.top_logprobs)
 
     def score(self, cumulative_logprob: float, num_tokens: int) -> float:
         return cumulative_logprob / max(num_tokens, 1) ** self.length_penalty

@@ -81,7 +81,8 @@ class BeamSearchRequest:
         self.search = BeamSearch(beam_width, n, max(max_tokens, 1), stops, length_penalty, diversity_penalty,
                                  top_logprobs=sampling.top_logprobs if sampling.logprobs else 0)
         self.round_sampling = dataclasses.replace(
-            SamplingParams(), temperature=0.0, seed=0, logprobs=True, top_logprobs=self.search.num_candidates)
+            SamplingParams(), temperature=0.0, seed=0, logprobs=True,
+            top_logprobs=min(self.search.num_candidates, engine.runner.vocab_size))
         self.in_flight: dict[int, int] = {}  # engine seq_id -> live beam index, this round
         self._results: dict[int, BeamCandidates] = {}
         self.n = n

@@ -91,7 +91,8 @@ def make_engine(tiny_model_dir, max_waiting_requests: int = 64) -> LLMEngine:
 def run_beam(engine: LLMEngine, prompt: list[int], **kwargs) -> list:
     ids = iter(range(1000, 10**6))
     request = BeamSearchRequest(engine, lambda: next(ids), 7, prompt, kwargs.pop("sampling", SamplingParams()),
-                                kwargs.pop("max_tokens"), [], False, kwargs.pop("n"), kwargs.pop("best_of"),
+                                kwargs.pop("max_tokens"), kwargs.pop("stop_token_ids", []), False, kwargs.pop("n"),
+                                kwargs.pop("best_of"),
                                 kwargs.pop("length_penalty", 1.0), kwargs.pop("diversity_penalty", 0.0))
     request.start()
     while engine.has_work():
@@ -121,10 +122,9 @@ def test_engine_beam_search_equals_transformers_beam_search(tiny_model_dir, hf_m
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_searches_that_end_on_the_stop_token_equal_transformers(tiny_model_dir, tmp_path):
-    """The stop token's place in a finished hypothesis' length: random searches on a model whose
-    lm_head makes EOS a likely next token, against transformers' generate. Leaving it out of the
-    length (vLLM's count) ranks some of these differently."""
+@pytest.fixture(scope="module")
+def eos_heavy(tiny_model_dir, tmp_path_factory):
+    """A tiny Llama whose lm_head makes EOS a likely next token, and its runner."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.tiny_hf_models import perturb_weights, save_tiny_model
@@ -139,8 +139,48 @@ def test_searches_that_end_on_the_stop_token_equal_transformers(tiny_model_dir, 
         hidden = model.model(torch.randint(3, 512, (8, 10))).last_hidden_state.reshape(-1, 64)
         mean = hidden.mean(0)
         model.lm_head.weight[EOS] = mean / mean.dot(mean) * model.lm_head(hidden).max(-1).values.mean() * 1.1
-    runner = ModelRunner(save_tiny_model(model, tmp_path, tiny_model_dir), "auto", torch.device("cpu"), torch.float32,
-                         8, 128)
+    runner = ModelRunner(save_tiny_model(model, tmp_path_factory.mktemp("eos_heavy"), tiny_model_dir), "auto",
+                         torch.device("cpu"), torch.float32, 8, 128)
+    return model, runner
+
+
+def test_searches_with_several_stop_ids_equal_transformers(eos_heavy):
+    """Stop ids beside EOS that rank just below the beam width: transformers keeps (1 + stop ids)
+    x W candidates a step; with 2W, a round could keep fewer than W live beams, and 2 of 60 such
+    searches ended on lower-scoring hypotheses (review 94)."""
+    model, runner = eos_heavy
+    generator = torch.Generator().manual_seed(11)
+    for _ in range(40):
+        prompt = torch.randint(3, 512, (int(torch.randint(1, 10, (), generator=generator)),), generator=generator).tolist()
+        width = int(torch.randint(2, 4, (), generator=generator))
+        n = int(torch.randint(1, width + 1, (), generator=generator))
+        max_tokens = int(torch.randint(2, 8, (), generator=generator))
+        with torch.inference_mode():
+            top = model(torch.tensor([prompt])).logits[0, -1].topk(6).indices.tolist()
+        k = int(torch.randint(2, 5, (), generator=generator))
+        stops = [t for t in top[1:k + 2] if t != EOS][:k]
+        engine = LLMEngine(runner, eos_token_ids=[EOS], max_num_seqs=8, max_num_batched_tokens=256,
+                           max_waiting_requests=64)
+        got: dict[int, list[int]] = {}
+        for out in run_beam(engine, prompt, max_tokens=max_tokens, n=n, best_of=width, stop_token_ids=stops):
+            got.setdefault(out.index, []).append(out.token_id)
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 num_beams=width, num_return_sequences=n, max_new_tokens=max_tokens, do_sample=False,
+                                 early_stopping=False, eos_token_id=[EOS, *stops], pad_token_id=EOS)
+        expected = []
+        for row in ref.tolist():
+            tokens = row[len(prompt):]
+            end = next((i for i, t in enumerate(tokens) if t in (EOS, *stops)), None)
+            expected.append(tokens if end is None else tokens[:end + 1])
+        assert [got[i] for i in range(n)] == expected, (prompt, width, n, max_tokens, stops)
+
+
+def test_searches_that_end_on_the_stop_token_equal_transformers(eos_heavy):
+    """The stop token's place in a finished hypothesis' length: random searches on a model whose
+    lm_head makes EOS a likely next token, against transformers' generate. Leaving it out of the
+    length (vLLM's count) ranks some of these differently."""
+    model, runner = eos_heavy
     generator = torch.Generator().manual_seed(3)
     ended_on_eos = 0
     for _ in range(40):
