@@ -21,7 +21,8 @@ _ANCHOR = "x"
 
 def token_text(data: bytes) -> str:
     """The token's string when its bytes are whole UTF-8 characters, else "bytes:" and \\xNN
-    escapes (vLLM's convention): a piece of a character never shows as U+FFFD."""
+    escapes (OpenAI's convention; vLLM shows U+FFFD there, with its bytes 239 191 189): a piece
+    of a character never shows as U+FFFD, and the token's own bytes go out beside it."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

@@ -217,7 +217,8 @@ def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
         responder = CompletionResponder(model, speller_for(body, pipeline), body.logprobs is not None, echoes,
                                         n=body.n, echo=body.echo, include_usage=body.include_usage,
                                         num_top_logprobs=body.logprobs or 0,
-                                        prompt_logprobs=body.prompt_logprobs is not None)
+                                        prompt_logprobs=body.prompt_logprobs is not None,
+                                        skipped_ids=tokenizer.special_ids if body.skip_special_tokens else frozenset())
         responder.continuous_usage = body.continuous_usage
         responder.return_token_ids = body.return_token_ids
         return await _respond(request, pipeline, [e.token_ids for e in echoes], params, body.stream, responder,

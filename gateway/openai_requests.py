@@ -630,6 +630,11 @@ class CompletionRequest(_GenerationRequest):
             raise ParamError("suffix", "suffix (fill-in-the-middle) is not supported")
         if self.max_tokens == 0 and not self.echo:
             raise ParamError("max_tokens", "max_tokens must be at least 1 (0 only with echo, to score the prompt)")
+        if self.use_beam_search and self.echo and self.logprobs is not None:
+            # Echo's logprobs are the prompt's, which beam search does not compute (the model
+            # worker refused it as prompt_logprobs, a field this body does not have).
+            raise ParamError("echo", "beam search does not return the prompt's logprobs: echo with logprobs is "
+                                     "not supported with use_beam_search")
         return self
 
     @property

@@ -127,6 +127,13 @@ class PromptTokenizer:
         return frozenset(t.content for t in added.values() if getattr(t, "special", False)) | frozenset(
             self._hf.all_special_tokens)
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The added tokens marked special: those the detok worker leaves out of the text under
+        skip_special_tokens (detok_worker/token_bytes.py reads the same flag)."""
+        added = getattr(self._hf, "added_tokens_decoder", {}) or {}
+        return frozenset(i for i, t in added.items() if getattr(t, "special", False))
+
     def special_texts(self) -> frozenset[str]:
         """The texts of the vocabulary's special tokens (those skip_special_tokens leaves out)."""
         return self._special_texts

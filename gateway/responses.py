@@ -540,11 +540,13 @@ class CompletionResponder(_Responder):
 
     def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, prompts: list[PromptEcho],
                  n: int = 1, echo: bool = False, include_usage: bool = False, num_top_logprobs: int = 0,
-                 prompt_logprobs: bool = False) -> None:
+                 prompt_logprobs: bool = False, skipped_ids: frozenset[int] = frozenset()) -> None:
         """num_top_logprobs: the request's logprobs=N (alternatives per token, echoed prompt tokens
         included); prompt_logprobs: it asked for vLLM's prompt_logprobs field (echo with logprobs
-        fetches them too, for the echoed tokens alone)."""
+        fetches them too, for the echoed tokens alone); skipped_ids: the special tokens the output's
+        text leaves out (skip_special_tokens), which move no text_offset."""
         super().__init__(model, speller, logprobs, include_usage)
+        self.skipped_ids = skipped_ids
         self.prompts = prompts
         self.n = n
         self.echo = echo
@@ -599,12 +601,18 @@ class CompletionResponder(_Responder):
             top.append({s.token_text(t): lp for t, lp in alternatives.items()})
         tokens = [s.token_text(t) for t in token_ids]
         offsets = []
-        for token_id in token_ids:
+        num_echoed = len(echo.token_ids) if echo is not None else 0
+        for i, token_id in enumerate(token_ids):
             # In characters of the text: a token that ends inside a character adds none, the one
-            # that completes it adds one (its label "bytes:\xNN" is no measure of the text).
+            # that completes it adds one (its label "bytes:\xNN" is no measure of the text), and a
+            # special token the output's text leaves out adds none.
             offsets.append(self._text_offsets[index])
+            if i >= num_echoed and token_id in self.skipped_ids:
+                continue
             data = self._partial_char[index] + s.token_bytes(token_id)
-            text, consumed = codecs.utf_8_decode(data, "replace", False)
+            text, consumed = codecs.utf_8_decode(data, "replace", i == num_echoed - 1)
+            # An echoed prompt that ends inside a character ends in U+FFFD there (final decode):
+            # the output's text starts afresh, as the detok worker does not finish the character.
             self._text_offsets[index] += len(text)
             self._partial_char[index] = data[consumed:]
         return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top,

@@ -84,6 +84,10 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     ("/v1/completions", '{"model": "m", "prompt": "x", "use_beam_search": true, "best_of": 2, '
                         '"diversity_penalty": 1e999}', "diversity_penalty"),
     ("/v1/completions", '{"model": "m", "prompt": "x", "logit_bias": {"99999999999": 1}}', "logit_bias"),
+    # Echo's logprobs are the prompt's, which a beam search does not compute (it was refused under
+    # prompt_logprobs, a field the body did not have).
+    ("/v1/completions", '{"model": "m", "prompt": "x", "use_beam_search": true, "best_of": 2, "echo": true, '
+                        '"logprobs": 1}', "echo"),
 ])
 def test_bad_text_and_out_of_range_numbers_are_400(client: TestClient, path: str, body: str, param: str | None) -> None:
     response = client.post(path, content=body.encode(), headers={"content-type": "application/json"})

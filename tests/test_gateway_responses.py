@@ -282,6 +282,32 @@ def test_text_offset_counts_characters_of_the_text_not_byte_labels() -> None:
     assert second["choices"][0]["logprobs"]["text_offset"] == [2, 2, 3]  # "!" is character 3 of "éx日!"
 
 
+def test_text_offset_after_an_echoed_prompt_that_ends_inside_a_character() -> None:
+    # The prompt's ids end with F0 9F (half an emoji): its echo ends in U+FFFD, and the output's
+    # 98 80 do not finish the character (the detok worker starts afresh): two more U+FFFD. "a" is
+    # character 9 of the text, not 7.
+    prompt = PromptEcho("Emoji:\ufffd", [*b"Emoji:", 0xF0, 0x9F])
+    responder = CompletionResponder("m", ByteSpeller(), logprobs=True, prompts=[prompt], n=1, echo=True)
+    choice = as_json(responder.chunk(0, event("\ufffd\ufffda", [0x98, 0x80, 0x61], finish="length",
+                                              logprobs=True)))["choices"][0]
+    assert choice["text"] == "Emoji:\ufffd\ufffd\ufffda"
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2, 3, 4, 5, 6, 6, 7, 8, 9]
+    assert choice["text"][9] == "a"
+
+
+def test_text_offset_skips_the_special_tokens_the_text_leaves_out() -> None:
+    # skip_special_tokens: token 1 is in the logprobs but not in the text; "B" is character 1.
+    responder = CompletionResponder("m", ByteSpeller(), logprobs=True, prompts=[PROMPT], n=1,
+                                    skipped_ids=frozenset({1}))
+    choice = as_json(responder.chunk(0, event("AB", [0x41, 1, 0x42], finish="length", logprobs=True)))["choices"][0]
+    assert choice["logprobs"]["text_offset"] == [0, 1, 1]
+    # The echoed prompt keeps its special tokens: it is the prompt's own text.
+    echoing = CompletionResponder("m", ByteSpeller(), logprobs=True, prompts=[PromptEcho("\x01h", [1, 104])], n=1,
+                                  echo=True, skipped_ids=frozenset({1}))
+    choice = as_json(echoing.chunk(0, event("A", [0x41], finish="length", logprobs=True)))["choices"][0]
+    assert choice["text"] == "\x01hA" and choice["logprobs"]["text_offset"] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 async def test_reasoning_is_split_off_the_same_streamed_and_whole(parser: str) -> None:
     from gateway.responses import ToolCallMode
