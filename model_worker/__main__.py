@@ -204,12 +204,14 @@ async def drain(servicer: ModelWorkerServicer) -> None:
     servicer.begin_drain()
 
 
-async def watch_engine(loop: EngineLoop, health, step_timeout_s: float = 0.0, poll_s: float = 1.0) -> str | None:
-    """Health NOT_SERVING for good once the engine cannot serve: the gateway stops sending here,
-    and an orchestrator's probe restarts the process. Returns None once EngineLoop.healthy is
-    false (its steps keep failing, or its thread ended), or why the engine is hung once a step has
-    run past step_timeout_s (0: never checked): serve() then ends the worker (exit_hung). A step
-    that holds the GIL stops this loop too: EngineLoop.arm_fault_timer covers that one."""
+async def watch_engine(loop: EngineLoop, health, step_timeout_s: float = 0.0, poll_s: float = 1.0) -> str:
+    """Health NOT_SERVING for good once the engine cannot serve, and why, for serve() to end the
+    worker (exit_hung), so that whatever supervises it (tokenwire.stack, compose, Kubernetes)
+    starts a new one: once EngineLoop.healthy is false (its steps keep failing, or its thread
+    ended; a worker that only said NOT_SERVING ran on, and only Kubernetes' liveness probe would
+    have restarted it: the stack's /ready answered 503 for good), or once a step has run past
+    step_timeout_s (0: never checked). A step that holds the GIL stops this loop too:
+    EngineLoop.arm_fault_timer covers that one."""
     while loop.healthy:
         running_s = loop.step_running_s if step_timeout_s else 0.0
         if running_s > step_timeout_s:
@@ -221,7 +223,8 @@ async def watch_engine(loop: EngineLoop, health, step_timeout_s: float = 0.0, po
         await asyncio.sleep(poll_s)
     logger.error("the engine cannot serve (its steps keep failing, or its thread ended): health NOT_SERVING")
     await grpc_server.mark_not_serving(health, [SERVICE_NAME])
-    return None
+    return "the model worker's engine cannot serve (its steps keep failing, or its thread ended): the worker exits " \
+           "to be restarted"
 
 
 # After a hung step, how long the Generate calls get to send their UNAVAILABLE before the exit.
@@ -305,8 +308,8 @@ async def serve(config: Config) -> None:
             server, config.address, config.drain_grace_s, config.tls, health, drained=lambda: drain(servicer)))
         try:
             await asyncio.wait({watcher, serving}, return_when=asyncio.FIRST_COMPLETED)
-            if watcher.done() and (why := watcher.result()) is not None:
-                await exit_hung(servicer, server, why)
+            if watcher.done():
+                await exit_hung(servicer, server, watcher.result())
             await serving
         finally:
             serving.cancel()
@@ -320,8 +323,8 @@ async def stop_engine(loop: EngineLoop, watcher: asyncio.Task | None) -> None:
     stopping = asyncio.create_task(loop.stop())
     if watcher is not None and not watcher.done():
         await asyncio.wait({stopping, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not stopping.done() and (why := watcher.result()) is not None:
-            exit_now(why)
+        if not stopping.done():
+            exit_now(watcher.result())
         watcher.cancel()
     await stopping
 

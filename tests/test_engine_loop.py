@@ -267,7 +267,9 @@ async def test_the_model_worker_says_not_serving_once_its_engine_cannot_serve():
     request = health_pb2.HealthCheckRequest(service="")
     assert (await servicer.Check(request, None)).status == health_pb2.HealthCheckResponse.SERVING
     fake.healthy = False
-    await asyncio.wait_for(watcher, 5)
+    # And why, for serve() to end the process (exit_hung): a worker that only said NOT_SERVING ran
+    # on, and nothing but a Kubernetes liveness probe restarted it.
+    assert "exits to be restarted" in await asyncio.wait_for(watcher, 5)
     assert (await servicer.Check(request, None)).status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
