@@ -6,7 +6,6 @@ service with health and reflection until SIGTERM/SIGINT.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
@@ -18,12 +17,15 @@ from tokenwire.config_cli import parse_config
 from tokenwire.gc_heap import freeze_startup_heap, pause_collections_until_frozen
 from tokenwire.grpc_io import log_io_note
 from tokenwire.grpc_server import (
+    StartupError,
     add_health_and_reflection,
     mark_serving,
     new_server,
+    run_worker,
     serve_until_signal,
     wait_quiet,
 )
+from tokenwire.grpc_tls import check_bindable
 from tokenwire.sched_slice import use_serving_slice
 from tokenwire.stack import exit_with_the_stack
 from tokenwire.v1 import common_pb2, detok_worker_pb2_grpc
@@ -49,6 +51,10 @@ def decoding_then_freeze() -> Callable[[common_pb2.TokenizerIdentity], Tokenizer
 
 
 async def serve(config: Config) -> None:
+    try:
+        check_bindable(config.host, config.port)
+    except OSError as exc:
+        raise StartupError(str(exc)) from exc
     server = new_server()
     servicer = DetokenizerServicer(decoding_then_freeze())
     detok_worker_pb2_grpc.add_DetokenizerServicer_to_server(servicer, server)
@@ -69,7 +75,7 @@ def main() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_io_note()
     use_serving_slice(config, "detok worker", whole_process=True)  # gRPC starts its threads later: they inherit it
-    asyncio.run(serve(config))
+    run_worker("detok_worker", serve(config))
 
 
 if __name__ == "__main__":

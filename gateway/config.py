@@ -122,3 +122,7 @@ class Config(SchedSliceOption):
                              f"{', '.join(sorted(REASONING_PARSERS))}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, not {self.port}")
+        if not self.startup_timeout_s > 0:  # 0 or less gave up on the workers at once
+            raise ValueError(f"--startup-timeout-s must be > 0, not {self.startup_timeout_s}")
+        if not self.drain_grace_s >= 0:
+            raise ValueError(f"--drain-grace-s must be >= 0, not {self.drain_grace_s}")

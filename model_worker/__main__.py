@@ -32,6 +32,7 @@ from tokenwire import grpc_server
 from tokenwire.config_cli import parse_config
 from tokenwire.gc_heap import freeze_startup_heap, pause_collections_until_frozen
 from tokenwire.grpc_io import log_io_note
+from tokenwire.grpc_tls import check_bindable
 from tokenwire.sched_slice import use_serving_slice
 from tokenwire.stack import exit_with_the_stack
 from tokenwire.tokenizer_files import num_token_ids, tokenizer_identity
@@ -267,11 +268,20 @@ def check_served_model_files(model: str) -> None:
 
 
 async def serve(config: Config) -> None:
-    check_served_model_files(config.model)
+    # What the worker cannot start with is one line, found before the model loads where it can
+    # be (a port in use was found after the load), else as the load finds it.
+    try:
+        check_bindable(config.host, config.port)
+        check_served_model_files(config.model)
+    except (ModelNotFoundError, OSError) as exc:
+        raise grpc_server.StartupError(str(exc)) from exc
     # Built on the thread that will run its steps, so torch has one OpenMP team (see new_engine_thread).
     engine_thread = new_engine_thread()
-    engine, model_dir, hf_config, eos_ids = await asyncio.get_running_loop().run_in_executor(
-        engine_thread, build_engine, config)
+    try:
+        engine, model_dir, hf_config, eos_ids = await asyncio.get_running_loop().run_in_executor(
+            engine_thread, build_engine, config)
+    except (ModelNotFoundError, ValueError, OSError) as exc:
+        raise grpc_server.StartupError(f"cannot start: {exc}") from exc
     runner = engine.runner
     # The engine thread (and torch's OpenMP threads, which it started) keep the kernel's default
     # time slice; from here this thread and the ones it starts (the output handover, gRPC's) are
@@ -335,7 +345,7 @@ def main() -> None:
     pause_collections_until_frozen()  # serve() freezes the heap once the engine is built
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_io_note()
-    asyncio.run(serve(config))
+    grpc_server.run_worker("model_worker", serve(config))
 
 
 if __name__ == "__main__":

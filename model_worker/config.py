@@ -134,6 +134,8 @@ class Config(WorkerServerOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not 0 <= self.port < 65536:  # grpc took 99999 and listened on 34463 (mod 65536)
+            raise ValueError(f"--port must be in 0..65535, not {self.port}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be auto or dummy, not {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

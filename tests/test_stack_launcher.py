@@ -67,6 +67,28 @@ def test_the_launcher_refuses_a_port_in_use_before_starting_anything() -> None:
     assert done.returncode == 1 and f"cannot serve on 127.0.0.1:{port}" in done.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--port", "99999"], "--port must be in 0..65535"),
+    (["--port", "-1"], "--port must be at least 0"),
+    (["--num-detok", "0"], "--num-detok must be at least 1"),
+    (["--num-model-workers", "0"], "--num-model-workers must be at least 1"),
+])
+def test_the_launcher_refuses_bad_counts_and_ports_in_one_line(args: list[str], message: str) -> None:
+    # Each was a traceback (OverflowError, ZeroDivisionError), some after a whole model load.
+    done = subprocess.run([sys.executable, "-m", "tokenwire.stack", *args], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_service_that_fails_to_start_ends_the_launcher_in_one_line(tmp_path) -> None:
+    done = subprocess.run([sys.executable, "-m", "tokenwire.stack", "--port", str(stack.free_port()), "--",
+                           "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "ERROR model_worker: cannot start: --model" in done.stderr  # the worker's own line
+    assert "tokenwire.stack: model_worker exited with code 1" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -158,7 +180,7 @@ def test_a_signal_during_start_up_ends_the_launcher_at_once(tiny_model_dir) -> N
         time.sleep(1.0)  # the workers are loading
         began = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(20) == 130
+        assert launcher.wait(20) == 128 + signal.SIGTERM  # as a shell reports SIGTERM (130 is SIGINT's)
         assert time.monotonic() - began < 12  # each service gets STARTING_STOP_S, not a drain's 40 s
         assert "stopped during start-up" in launcher.stderr.read()
     finally:

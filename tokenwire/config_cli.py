@@ -61,7 +61,9 @@ def parse_config(cls: type[ConfigT], argv: Sequence[str] | None = None, env_pref
     List fields take comma-separated values.
     """
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(description=description or (cls.__doc__ or "").strip())
+    # Named as it is run ("python -m model_worker"), not "__main__.py".
+    parser = argparse.ArgumentParser(prog=f"python -m {cls.__module__.split('.')[0]}",
+                                     description=description or (cls.__doc__ or "").strip())
     for field in dataclasses.fields(cls):
         tp = hints[field.name]
         help_text = field.metadata.get("help", "")

@@ -100,8 +100,13 @@ class MalformedStreamMessageInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+# Servers only: no SO_REUSEPORT (grpc's default), so a port another worker holds is an error at
+# start; with it, a second worker on the port started silently and took half the connections.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
 def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[MalformedStreamMessageInterceptor()])
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[MalformedStreamMessageInterceptor()])
 
 
 def add_health_and_reflection(
@@ -127,6 +132,22 @@ async def mark_not_serving(health_servicer: health.aio.HealthServicer, full_serv
 
 # After a drain, how long calls get to end on their own before the server cancels them.
 FLUSH_S = 0.5
+
+
+class StartupError(Exception):
+    """A flag, file or port a worker cannot start with: one log line, no traceback."""
+
+
+def run_worker(name: str, serve: Awaitable[None]) -> None:
+    """asyncio.run(serve) for a worker's main(): a StartupError is one error line and status 1,
+    Ctrl-C before the server is up status 130 without a traceback (both were 20-40 lines of one)."""
+    try:
+        asyncio.run(serve)
+    except StartupError as exc:
+        logging.getLogger(name).error("%s", exc)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
 
 
 class CallEndedWhileSendingFilter(logging.Filter):
@@ -169,7 +190,10 @@ async def serve_until_signal(server: grpc.aio.Server, address: str, grace_s: flo
     streams that stay open) is cancelled.
     """
     quiet_calls_ended_while_sending()
-    add_port(server, address, tls)
+    try:
+        add_port(server, address, tls)
+    except OSError as exc:
+        raise StartupError(str(exc)) from exc
     await server.start()
     logger.info("listening on %s (%s)", address, "mTLS" if tls and tls.client_ca_file else
                 "TLS" if tls else "plaintext")

@@ -7,6 +7,7 @@ so a missing or half-given file pair is a flag error at start, never a handshake
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,13 +89,34 @@ def client_tls(ca_file: str, cert_file: str, key_file: str, server_name: str) ->
 
 def add_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
     """Binds address, TLS when configured; raises OSError when the port is taken."""
-    if tls is None:
-        port = server.add_insecure_port(address)
-    else:
-        port = server.add_secure_port(address, tls.credentials())
+    try:
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.credentials())
+    except RuntimeError as exc:  # grpcio >= 1.8x raises this itself ("Failed to bind to address ...")
+        raise OSError(f"could not bind {address}: {exc}") from exc
     if port == 0:
         raise OSError(f"could not bind {address}")
     return port
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Raises OSError (with the address) unless host:port can be bound now: checked before a
+    worker loads its model, so a port in use fails in a moment instead of after the load.
+    Port 0 (any free one) always can."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            # As grpc binds: connections of a worker that just exited (TIME_WAIT) do not hold
+            # the port, a listening socket does.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise OSError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from exc
 
 
 def aio_channel(address: str, tls: ClientTLS | None,
@@ -125,4 +147,6 @@ class WorkerServerOptions(SchedSliceOption):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not self.drain_grace_s >= 0:
+            raise ValueError(f"--drain-grace-s must be >= 0, not {self.drain_grace_s}")
         self.tls = server_tls(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tokenwire.grpc_tls import ClientTLS, sync_channel
+from tokenwire.grpc_tls import ClientTLS, check_bindable, sync_channel
 
 
 def free_port() -> int:
@@ -242,23 +243,31 @@ def main() -> int:
     parser.add_argument("model_worker_args", nargs=argparse.REMAINDER,
                         help="after --, flags for the model worker (e.g. -- --model /path/to/model.gguf)")
     args = parser.parse_args()
+    for flag, value, least in (("--num-detok", args.num_detok, 1), ("--num-model-workers", args.num_model_workers, 1),
+                               ("--port", args.port, 0)):
+        if value < least:
+            parser.error(f"{flag} must be at least {least}, not {value}")
+    if args.port > 65535:
+        parser.error(f"--port must be in 0..65535, not {args.port}")
     extra = [a for a in args.model_worker_args if a != "--"]
     if not any(a.startswith("--num-threads") for a in extra):
         extra += ["--num-threads", str(one_host_worker_threads(args.num_model_workers))]
     stopping = False
     up = False
 
+    stopped_by = signal.SIGINT
+
     def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
+        nonlocal stopping, stopped_by
+        stopping, stopped_by = True, signum
         if not up:  # a wait for a service to start would not look at `stopping`: end it here
             raise ServiceFailedToStart("stopped during start-up")
 
     try:  # before loading a model, not after: another server on the port would answer our /health
-        socket.create_server((args.host, args.port)).close()
+        check_bindable(args.host, args.port)
     except OSError as exc:
-        print(f"cannot serve on {args.host}:{args.port}: {exc.strerror} (another server there? PORT=... picks "
-              "another)", file=sys.stderr)
+        in_use = isinstance(exc.__cause__, OSError) and exc.__cause__.errno == errno.EADDRINUSE
+        print(f"{exc}{' (another server there? PORT=... picks another)' if in_use else ''}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -268,11 +277,12 @@ def main() -> int:
             up = True
 
         return _serve(args, extra, lambda: stopping, now_up)
-    except ServiceFailedToStart:
-        if not stopping:
-            raise
+    except ServiceFailedToStart as exc:
+        if not stopping:  # its own log, above, says why
+            print(f"tokenwire.stack: {exc}", file=sys.stderr)
+            return 1
         print("stopped during start-up", file=sys.stderr)  # Ctrl-C reached the services too
-        return 130
+        return 128 + stopped_by  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
 
 
 def _serve(args: argparse.Namespace, model_worker_args: list[str], stopping: Callable[[], bool],
