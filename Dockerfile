@@ -2,7 +2,8 @@
 # Choose the torch build with TORCH_SPEC, e.g. --build-arg TORCH_SPEC="torch==2.13.0 --index-url <wheel index>"
 # (a CPU-only index keeps the image small; a CUDA one for GPU hosts, as compose.cuda.yaml does).
 FROM python:3.11-slim
-ARG TORCH_SPEC="torch==2.13.0"
+# The CPU build by default: the plain pin from PyPI resolves to the CUDA wheels (several GB).
+ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TOKENWIRE_MODEL_WORKER_CACHE_DIR=/cache
 WORKDIR /app
 # g++: the model worker builds its CPU decode-attention kernel (model_worker/kernels) at first

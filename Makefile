@@ -19,9 +19,14 @@ SERVE_ARGS ?=
 # The torch spec the venv was installed with: another TORCH_SPEC (a CUDA build after the CPU one)
 # reinstalls, where a stamp of the venv alone would keep the old torch without a word.
 TORCH_STAMP := $(VENV)/.torch-spec
+# pip alone would keep it: torch==2.13.0 is satisfied by 2.13.0+cpu and 2.13.0+cu128 alike, so a
+# changed spec first uninstalls the torch the venv has.
 $(TORCH_STAMP): FORCE
 	@mkdir -p $(VENV)
-	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+	@if ! echo '$(TORCH_SPEC)' | cmp -s - $@; then \
+	  if [ -f $@ ] && [ -x $(PY) ]; then $(PY) -m pip uninstall --quiet -y torch; fi; \
+	  echo '$(TORCH_SPEC)' > $@; \
+	fi
 
 FORCE:
 
@@ -43,7 +48,8 @@ proto: $(STAMP)
 serve: proto
 	$(PY) -m tokenwire.stack --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-lint: $(STAMP)
+# After proto: ruff sorts the generated modules' imports as first-party only once they exist.
+lint: proto
 	$(PY) -m ruff check .
 
 test: proto lint

@@ -35,6 +35,12 @@ from tokenwire.v1 import detok_worker_pb2, model_worker_pb2
 
 logger = logging.getLogger(__name__)
 
+# Each --detok-workers entry its own connections: channels to one name (a headless Service's
+# dns:///) otherwise share grpc-core's subchannels, and every entry settled on the replica that
+# connected first (4 entries for 2 replicas: one connection, to one of them, in 3 of 3 starts).
+# Apart, each picks its own at random (pick_first's shuffleAddressList).
+DETOK_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]  # a full waiting queue
 
 
@@ -80,7 +86,7 @@ class Pipeline:
     @classmethod
     async def connect(cls, config: Config, metrics: GatewayMetrics | None = None) -> Pipeline:
         """Waits (up to config.startup_timeout_s) for both kinds of worker, then opens the streams."""
-        detok_channels = [aio_channel(a, config.worker_tls, CHANNEL_OPTIONS) for a in config.detok_workers]
+        detok_channels = [aio_channel(a, config.worker_tls, DETOK_CHANNEL_OPTIONS) for a in config.detok_workers]
         pipeline = cls(config, detok_channels, metrics)
         try:
             await pipeline._start()

@@ -84,3 +84,25 @@ async def test_calls_after_the_worker_dies_go_to_the_live_one(two_servers) -> No
             await asyncio.wait_for(check(stub), 10)
     (other,) = set(ADDRESSES) - {first}
     assert hits == Counter({other: 4})
+
+
+async def test_detok_channels_open_together_spread_over_the_addresses(two_servers) -> None:
+    # The gateway opens all its --detok-workers channels at once, to one name. Sharing grpc-core's
+    # subchannels they all settled on the address that connected first (a headless Service's
+    # 2 replicas: 1 connection, 3 starts of 3); each with its own pool they pick apart.
+    from gateway.pipeline import DETOK_CHANNEL_OPTIONS
+
+    target, _, hits = two_servers
+    rounds = []
+    for _ in range(6):
+        channels = [aio_channel(target, None, DETOK_CHANNEL_OPTIONS) for _ in range(4)]
+        try:
+            before = hits.copy()
+            for channel in channels:
+                await check(health_pb2_grpc.HealthStub(channel))
+            rounds.append(set((hits - before).keys()))
+        finally:
+            for channel in channels:
+                await channel.close()
+    # Some round's 4 open channels reached both servers (none of 6 did: p = (1/8)**6).
+    assert any(reached == set(ADDRESSES) for reached in rounds), rounds
