@@ -72,6 +72,10 @@ def test_the_launcher_refuses_a_port_in_use_before_starting_anything() -> None:
     (["--port", "-1"], "--port must be at least 0"),
     (["--num-detok", "0"], "--num-detok must be at least 1"),
     (["--num-model-workers", "0"], "--num-model-workers must be at least 1"),
+    # Flags the stack sets itself: a user's copy won, and the stack waited 300 s for a service elsewhere.
+    (["--gateway-arg=--port=18931"], "--port as --gateway-arg: the stack sets it"),
+    (["--", "--port", "5"], "--port as a model worker flag"),
+    (["--", "--tls-cert-file", "c.pem"], "--tls-cert-file: the stack runs its services on loopback in plaintext"),
 ])
 def test_the_launcher_refuses_bad_counts_and_ports_in_one_line(args: list[str], message: str) -> None:
     # Each was a traceback (OverflowError, ZeroDivisionError), some after a whole model load.
@@ -186,3 +190,33 @@ def test_a_signal_during_start_up_ends_the_launcher_at_once(tiny_model_dir) -> N
     finally:
         launcher.kill()
         launcher.wait()
+
+
+@pytest.mark.parametrize(("args", "env", "grace"), [
+    ([], None, 30.0),
+    (["--drain-grace-s", "120"], None, 120.0),
+    (["--drain-grace-s=5", "--port", "1"], None, 5.0),
+    (["--drain-grace-s", "5", "--drain-grace-s=7"], None, 7.0),  # the last, as argparse takes it
+    ([], {"TOKENWIRE_GATEWAY_DRAIN_GRACE_S": "90"}, 90.0),
+    (["--drain-grace-s", "oops"], None, 30.0),  # the service refuses it itself
+])
+def test_a_service_gets_its_own_drain_grace_before_it_is_killed(args, env, grace) -> None:
+    # A fixed 40 s cut a 120 s drain short: 7 of 40 requests got an empty reply.
+    assert stack.drain_grace_s(args, env) == grace
+    service = stack.ServiceProcess("gateway", [sys.executable, "-m", "gateway", *args],
+                                   subprocess.Popen([sys.executable, "-c", "pass"]), env)
+    service.process.wait()
+    assert service.stop_timeout_s == grace + stack.STOP_SLACK_S
+
+
+def test_stopping_says_whether_a_service_had_to_be_killed(capsys) -> None:
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE,
+                                text=True)
+    assert stubborn.stdout.readline() == "ready\n"
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    services = [stack.ServiceProcess("model_worker", [], polite), stack.ServiceProcess("gateway", [], stubborn)]
+    whole = stack.Stack([], [], "", services)
+    assert whole.stop(0.5) is True and stubborn.returncode == -signal.SIGKILL and polite.returncode == -signal.SIGTERM
+    assert "gateway did not exit within its drain; killing it" in capsys.readouterr().err
+    assert stack.Stack([], [], "", [stack.ServiceProcess("x", [], polite)]).stop(0.5) is False  # already gone

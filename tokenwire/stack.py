@@ -35,10 +35,29 @@ class ServiceFailedToStart(RuntimeError):
     pass
 
 
-# How long a service gets to exit before SIGKILL: a running one drains (30 s by default), one
-# stopped during the stack's start-up serves nothing yet.
-STOP_S = 40.0
+# How long a service gets to exit before SIGKILL: a running one drains (its --drain-grace-s, 30 s
+# by default) and gets this much more; one stopped during the stack's start-up serves nothing yet.
+STOP_SLACK_S = 10.0
+STOP_S = 30.0 + STOP_SLACK_S
 STARTING_STOP_S = 5.0
+
+
+def drain_grace_s(args: Sequence[str], env: dict[str, str] | None = None, default: float = 30.0) -> float:
+    """The --drain-grace-s a service runs with: its flag (last one wins, as argparse takes it),
+    else its TOKENWIRE_*_DRAIN_GRACE_S variable, else the default."""
+    grace: str | None = None
+    for i, arg in enumerate(args):
+        if arg == "--drain-grace-s" and i + 1 < len(args):
+            grace = args[i + 1]
+        elif arg.startswith("--drain-grace-s="):
+            grace = arg.partition("=")[2]
+    if grace is None:
+        grace = next((v for k, v in (env or {}).items() if k.startswith("TOKENWIRE_") and k.endswith("DRAIN_GRACE_S")),
+                     None)
+    try:
+        return float(grace) if grace is not None else default
+    except ValueError:
+        return default  # the service refuses it itself
 
 
 @dataclass
@@ -52,16 +71,25 @@ class ServiceProcess:
         if self.process.poll() is not None:
             raise ServiceFailedToStart(f"{self.name} exited with code {self.process.returncode}: {' '.join(self.args)}")
 
-    def stop(self, timeout_s: float = STOP_S) -> None:
-        """SIGTERM (the service drains, 30 s grace by default), then SIGKILL if it has not
-        exited within timeout_s."""
+    @property
+    def stop_timeout_s(self) -> float:
+        """Its drain's grace and STOP_SLACK_S: a 120 s grace was cut at 40 s (7 of 40 requests
+        got an empty reply, and the stack still exited 0)."""
+        return drain_grace_s(self.args, self.process_env) + STOP_SLACK_S
+
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """SIGTERM (the service drains), then SIGKILL if it has not exited within timeout_s (its
+        own stop_timeout_s by default). Returns whether it had to be killed."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout_s)
+                self.process.wait(self.stop_timeout_s if timeout_s is None else timeout_s)
             except subprocess.TimeoutExpired:
+                print(f"{self.name} did not exit within its drain; killing it", file=sys.stderr, flush=True)
                 self.process.kill()
                 self.process.wait()
+                return True
+        return False
 
     def kill(self) -> None:
         """SIGKILL, no drain: what a crash or an OOM kill looks like to the other services."""
@@ -143,15 +171,20 @@ class Stack:
     detok_addresses: list[str]
     gateway_url: str
     services: list[ServiceProcess] = field(default_factory=list)
+    killed: bool = False  # a service had to be killed when the stack stopped
 
     @property
     def model_worker_address(self) -> str:
         """The first model worker's address: the only one in a stack started with one."""
         return self.model_worker_addresses[0]
 
-    def stop(self, timeout_s: float = STOP_S) -> None:
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Each service in turn, the gateway first (its open requests end before the workers
+        go); timeout_s None: each its own drain's. Returns whether any had to be killed."""
+        killed = False
         for service in reversed(self.services):
-            service.stop(timeout_s)
+            killed |= service.stop(timeout_s)
+        return killed
 
 
 def url_host(host: str) -> str:
@@ -212,7 +245,7 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
     finally:
         # Stopped during start-up: nothing serves yet, so each service gets STARTING_STOP_S before
         # SIGKILL, not a drain's grace (a gateway waiting for its workers exits on SIGTERM at once).
-        stack.stop(STOP_S if started else STARTING_STOP_S)
+        stack.killed = stack.stop(None if started else STARTING_STOP_S)
 
 
 RESERVE_CORE_FROM = 8
@@ -250,6 +283,18 @@ def main() -> int:
     if args.port > 65535:
         parser.error(f"--port must be in 0..65535, not {args.port}")
     extra = [a for a in args.model_worker_args if a != "--"]
+    # The stack wires these itself (ports it picked, loopback workers, plaintext probes): a user's
+    # copy took effect after its own, and the stack then waited 300 s for a service elsewhere.
+    for given, owned, where in ((extra, ("--host", "--port"), "a model worker flag"),
+                                (args.gateway_arg, ("--host", "--port", "--model-workers", "--detok-workers"),
+                                 "--gateway-arg")):
+        for arg in given:
+            name = arg.partition("=")[0]
+            if name in owned:
+                parser.error(f"{name} as {where}: the stack sets it (its own --host/--port for the gateway)")
+            if name.startswith(("--tls-", "--worker-tls-")):
+                parser.error(f"{name}: the stack runs its services on loopback in plaintext; for TLS between them "
+                             "start each service itself (deploy/README.md)")
     if not any(a.startswith("--num-threads") for a in extra):
         extra += ["--num-threads", str(one_host_worker_threads(args.num_model_workers))]
     stopping = False
@@ -287,16 +332,16 @@ def main() -> int:
 
 def _serve(args: argparse.Namespace, model_worker_args: list[str], stopping: Callable[[], bool],
            now_up: Callable[[], None]) -> int:
+    code = 0
     with start_stack(model_worker_args, args.num_detok, args.host, args.port, gateway_args=args.gateway_arg,
                      num_model_workers=args.num_model_workers, exit_with_launcher=True) as stack:
         now_up()
-        if stopping():  # a signal came as the last service started
-            return 0
-        listening = f" (listening on {args.host})" if url_host(args.host) != args.host else ""
-        print(f"tokenwire is up: OpenAI API at {stack.gateway_url}/v1{listening} "
-              f"(model workers {','.join(stack.model_worker_addresses)}, detok {','.join(stack.detok_addresses)})",
-              flush=True)
-        return supervise(stack.services, stopping)
+        if not stopping():  # else a signal came as the last service started
+            listening = f" (listening on {args.host})" if url_host(args.host) != args.host else ""
+            print(f"tokenwire is up: OpenAI API at {stack.gateway_url}/v1{listening} (model workers "
+                  f"{','.join(stack.model_worker_addresses)}, detok {','.join(stack.detok_addresses)})", flush=True)
+            code = supervise(stack.services, stopping)
+    return 1 if stack.killed else code  # a drain cut short lost requests: not a clean stop
 
 
 # Times the launcher starts one worker again after it exited (a crash, an OOM kill) before it gives up.
