@@ -8,6 +8,7 @@ so a missing or half-given file pair is a flag error at start, never a handshake
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,24 @@ class ClientTLS:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
+def check_pem(cert_file: str, key_file: str, ca_file: str, flags: tuple[str, str, str]) -> None:
+    """Raises ValueError unless the key belongs to the certificate and the CA file holds
+    certificates: grpc takes any bytes here and fails each handshake later, which a client saw
+    only as DEADLINE_EXCEEDED after its whole --startup-timeout-s."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if cert_file and key_file:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ValueError(f"{flags[1]} {key_file!r} is not the private key of {flags[0]} {cert_file!r} (or one of "
+                             f"them is not PEM): {exc}") from exc
+    if ca_file:
+        try:
+            context.load_verify_locations(cafile=ca_file)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ValueError(f"{flags[2]} {ca_file!r} holds no PEM certificate: {exc}") from exc
+
+
 def server_tls(cert_file: str, key_file: str, client_ca_file: str) -> ServerTLS | None:
     """None (plaintext) when no file is given; raises ValueError on a half-given or unreadable set."""
     if not (cert_file or key_file or client_ca_file):
@@ -69,6 +88,7 @@ def server_tls(cert_file: str, key_file: str, client_ca_file: str) -> ServerTLS 
         raise ValueError("--tls-cert-file and --tls-key-file go together (--tls-client-ca-file needs both)")
     tls = ServerTLS(cert_file, key_file, client_ca_file)
     tls.credentials()  # reads every file now: a bad path is a start-up error
+    check_pem(cert_file, key_file, client_ca_file, ("--tls-cert-file", "--tls-key-file", "--tls-client-ca-file"))
     return tls
 
 
@@ -84,6 +104,7 @@ def client_tls(ca_file: str, cert_file: str, key_file: str, server_name: str) ->
         raise ValueError("--worker-tls-cert-file and --worker-tls-key-file go together (mTLS)")
     tls = ClientTLS(ca_file, cert_file, key_file, server_name)
     tls.credentials()
+    check_pem(cert_file, key_file, ca_file, ("--worker-tls-cert-file", "--worker-tls-key-file", "--worker-tls-ca-file"))
     return tls
 
 
