@@ -15,15 +15,29 @@ from tokenwire.sched_slice import SchedSliceOption
 DNS_SCHEME = "dns:///"
 
 
-def dns_name(address: str) -> tuple[str, int] | None:
+def dns_name(address: str, flag: str = "--model-workers") -> tuple[str, int] | None:
     """(host, port) of a `dns:///HOST:PORT` entry; None for an address gRPC dials as given (one
     replica). Raises ValueError for a `dns:` entry of another shape."""
     if not address.startswith("dns:"):
         return None
     host, _, port = address.removeprefix(DNS_SCHEME).rpartition(":")
     if not address.startswith(DNS_SCHEME) or not host or not port.isdigit():
-        raise ValueError(f"--model-workers: {address!r}: expected dns:///HOST:PORT (no DNS authority)")
+        raise ValueError(f"{flag}: {address!r}: expected dns:///HOST:PORT (no DNS authority)")
     return host.strip("[]"), int(port)
+
+
+# gRPC target schemes other than dns: taken as given (grpc checks them).
+OTHER_SCHEMES = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def check_worker_address(address: str, flag: str) -> None:
+    """Raises ValueError for an entry gRPC would only fail to reach after --startup-timeout-s: a
+    dns: entry of another shape, or HOST:PORT without a port in 1..65535."""
+    if dns_name(address, flag) is not None or address.startswith(OTHER_SCHEMES):
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{flag}: {address!r}: expected HOST:PORT (a port in 1..65535) or dns:///HOST:PORT")
 
 
 @dataclass
@@ -105,7 +119,7 @@ class Config(SchedSliceOption):
         if not self.model_workers:
             raise ValueError("--model-workers needs at least one address")
         for address in self.model_workers:
-            dns_name(address)
+            check_worker_address(address, "--model-workers")
         if len(set(self.model_workers)) != len(self.model_workers):
             raise ValueError("--model-workers lists an address twice (each entry is one replica, or one DNS name)")
         if self.model_worker_dns_refresh_s <= 0:
@@ -114,6 +128,8 @@ class Config(SchedSliceOption):
             raise ValueError("--detok-warmup-timeout-s must be > 0")
         if not self.detok_workers:
             raise ValueError("--detok-workers needs at least one address")
+        for address in self.detok_workers:
+            check_worker_address(address, "--detok-workers")
         if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser: {self.tool_call_parser!r} is not one of "
                              f"{', '.join(sorted(TOOL_CALL_PARSERS))}")

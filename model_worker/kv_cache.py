@@ -41,6 +41,11 @@ def num_kv_blocks(bytes_per_token: int, block_size: int, max_num_seqs: int, max_
         tokens = DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_token
     blocks_per_context = -(-max_model_len // block_size)
     num_blocks = min(tokens // block_size, max_num_seqs * blocks_per_context)
+    if num_blocks < blocks_per_context and tokens >= max_model_len:
+        # The budget holds a context's tokens, not its blocks: the block size is the cause.
+        raise ValueError(f"the KV cache budget's {tokens} tokens hold {tokens // block_size} blocks of --block-size "
+                         f"{block_size}, fewer than the {blocks_per_context} a {max_model_len}-token context needs; "
+                         "use a smaller --block-size (16 by default)")
     if num_blocks < blocks_per_context:
         raise ValueError(
             f"the KV cache budget holds {tokens} tokens ({bytes_per_token} bytes each), fewer than one "

@@ -551,6 +551,12 @@ async def test_dns_entries_parse_and_resolve_to_grpc_targets() -> None:
         Config(model_workers=[])
     with pytest.raises(ValueError, match="twice"):
         Config(model_workers=["a:1", "a:1"])
+    # Detok entries too, and addresses without a usable port: each waited out --startup-timeout-s.
+    for flag, bad in (("detok_workers", "dns:foo"), ("detok_workers", "localhost"),
+                      ("detok_workers", "127.0.0.1:99999"), ("model_workers", "10.0.0.5:0")):
+        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')}: '{bad}'"):
+            Config(**{flag: [bad]})
+    assert Config(detok_workers=["[::1]:50052", "unix:/tmp/detok.sock", "dns:///detok:50052"]).detok_workers
     assert "127.0.0.1:50051" in await model_worker_pool.resolve("localhost", 50051)
 
 

@@ -168,6 +168,9 @@ def test_kv_cache_sizing():
     assert num_kv_blocks(per_token, bs, 2, 256, CPU, kv_cache_tokens=10_000) == 32
     with pytest.raises(ValueError, match="fewer than one"):
         num_kv_blocks(per_token, bs, 4, 256, CPU, kv_cache_tokens=100)
+    # Tokens enough, blocks too large: the message named the tokens, which were not the cause.
+    with pytest.raises(ValueError, match="hold 0 blocks of --block-size 100000"):
+        num_kv_blocks(per_token, 100_000, 4, 256, CPU, kv_cache_tokens=50_000)
     cache = PagedKVCache(2, 3, 4, 1, 2, torch.float32, CPU)
     cache.key[:, 0] = 1.0
     cache.copy_blocks(torch.tensor([0]), torch.tensor([2]))
