@@ -293,8 +293,9 @@ def main() -> int:
             if name in owned:
                 parser.error(f"{name} as {where}: the stack sets it (its own --host/--port for the gateway)")
             if name.startswith(("--tls-", "--worker-tls-")):
-                parser.error(f"{name}: the stack runs its services on loopback in plaintext; for TLS between them "
-                             "start each service itself (deploy/README.md)")
+                parser.error(f"{name}: the stack runs its services on loopback in plaintext and probes them so; "
+                             "for TLS (between them, or HTTPS on the gateway) start each service itself "
+                             "(deploy/README.md)")
     if not any(a.startswith("--num-threads") for a in extra):
         extra += ["--num-threads", str(one_host_worker_threads(args.num_model_workers))]
     stopping = False
