@@ -26,6 +26,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from model_worker.host_memory import keep_freed_memory_in_heap  # noqa: E402
 from model_worker.model_files import DEFAULT_MODEL, resolve_model_dir  # noqa: E402
 from model_worker.sampling import Sampler  # noqa: E402
 from model_worker.sequence import SamplingParams, Sequence  # noqa: E402
@@ -268,6 +269,9 @@ def main() -> None:
     parser.add_argument("--compare-engines", action="store_true", help="llguidance vs xgrammar instead")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    # The model worker's malloc settings: without them every fresh [S, V] tensor is a new mmap,
+    # page-faulted in and unmapped each step, which moved the sampler's 6 ms to 11 ms here.
+    keep_freed_memory_in_heap()
     if args.threads:
         torch.set_num_threads(args.threads)
     from tokenizers import Tokenizer

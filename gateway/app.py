@@ -218,7 +218,8 @@ def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
                                         n=body.n, echo=body.echo, include_usage=body.include_usage,
                                         num_top_logprobs=body.logprobs or 0,
                                         prompt_logprobs=body.prompt_logprobs is not None,
-                                        skipped_ids=tokenizer.special_ids if body.skip_special_tokens else frozenset())
+                                        skipped_ids=tokenizer.special_ids if body.skip_special_tokens else frozenset(),
+                                        special_ids=tokenizer.special_ids)
         responder.continuous_usage = body.continuous_usage
         responder.return_token_ids = body.return_token_ids
         return await _respond(request, pipeline, [e.token_ids for e in echoes], params, body.stream, responder,

@@ -48,11 +48,13 @@ class ThinkStream:
         elif end > start:  # the prompt closed it: what follows is the answer
             self._state = "content" if prompt_tail[end + len(END):].strip() else self._answer_start
 
-    def feed(self, text: str, end_allowed: bool = True, brings_end_token: bool = False) -> tuple[str, str]:
+    def feed(self, text: str, end_allowed: bool = True, brings_end_token: bool = False,
+             ends_after_token: int = 0) -> tuple[str, str]:
         """end_allowed False: a END in this text is thinking too (the model worker, which starts
         a deferred grammar on END's token, has not seen that token yet: the model spelled the tag
         in other tokens). brings_end_token: this text carries END's token, so the thinking ends at
-        its last END; one spelled before the token in the same text is thinking too."""
+        the END that token wrote: the last but ends_after_token (the ENDs the answer spelled after
+        the token in the same text); one spelled before the token is thinking too."""
         self._pending += text
         reasoning: list[str] = []
         content: list[str] = []
@@ -70,7 +72,11 @@ class ThinkStream:
                 if not end_allowed:
                     end = -1
                 elif brings_end_token:
-                    end = self._pending.rfind(END)
+                    end = len(self._pending)
+                    for _ in range(ends_after_token + 1):
+                        end = self._pending.rfind(END, 0, end) if end > 0 else -1
+                    if end < 0:  # fewer than counted: the token's own END is the first
+                        end = self._pending.find(END)
                 else:
                     end = self._pending.find(END)
                 if end < 0:

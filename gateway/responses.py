@@ -40,6 +40,7 @@ from gateway.openai_responses import (
     Usage,
     VllmLogprob,
 )
+from gateway.reasoning_parsers import END as THINK_END
 from gateway.reasoning_parsers import REASONING_PARSERS, ThinkStream, split_reasoning
 from gateway.request_state import GenerationEvent, PromptLogprobs
 from gateway.sse import sse_data
@@ -405,11 +406,24 @@ class ChatResponder(_Responder):
         if brings_end_token:
             self._think_ended.add(index)
         reasoning, content = stream.feed(event.text, self.think_end_id is None or index in self._think_ended,
-                                         brings_end_token)
+                                         brings_end_token, self._ends_after_think_end(event.token_ids))
         if event.finish_reason is not None:
             more_reasoning, more_content = stream.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
         return reasoning, content
+
+    def _ends_after_think_end(self, token_ids: list[int]) -> int:
+        """How many "</think>" the tokens after think_end_id spell in their own text (the answer
+        writing the tag just after the real token, in the same event); 0 where the renderer does
+        not know them (it renders a stream's tokens only when logprobs are asked for)."""
+        if self.think_end_id not in token_ids:
+            return 0
+        after = token_ids[token_ids.index(self.think_end_id) + 1:]
+        try:
+            text = b"".join(self.speller.token_bytes(t) for t in after).decode("utf-8", "replace")
+        except KeyError:
+            return 0
+        return text.count(THINK_END)
 
     def _tool_call_delta(self, index: int, event: GenerationEvent) -> tuple[ChatDelta | None, str | None]:
         """A forced call's stream (vLLM's shape): a named call opens with its id and name and
@@ -482,10 +496,12 @@ class ChatResponder(_Responder):
             stream, ended, start = self._reasoning_stream(), False, 0
             reasoning_parts, content_parts = [], []
             for part, count in zip(out.text_parts, out.part_token_counts, strict=True):
-                brings_end_token = not ended and self.think_end_id in out.token_ids[start:start + count]
+                part_ids = out.token_ids[start:start + count]
+                brings_end_token = not ended and self.think_end_id in part_ids
                 ended = ended or brings_end_token
                 start += count
-                more_reasoning, more_content = stream.feed(part, ended, brings_end_token)
+                more_reasoning, more_content = stream.feed(part, ended, brings_end_token,
+                                                           self._ends_after_think_end(part_ids) if brings_end_token else 0)
                 reasoning_parts.append(more_reasoning)
                 content_parts.append(more_content)
             more_reasoning, more_content = stream.finish()
@@ -540,13 +556,16 @@ class CompletionResponder(_Responder):
 
     def __init__(self, model: str, speller: TokenRenderer, logprobs: bool, prompts: list[PromptEcho],
                  n: int = 1, echo: bool = False, include_usage: bool = False, num_top_logprobs: int = 0,
-                 prompt_logprobs: bool = False, skipped_ids: frozenset[int] = frozenset()) -> None:
+                 prompt_logprobs: bool = False, skipped_ids: frozenset[int] = frozenset(),
+                 special_ids: frozenset[int] = frozenset()) -> None:
         """num_top_logprobs: the request's logprobs=N (alternatives per token, echoed prompt tokens
         included); prompt_logprobs: it asked for vLLM's prompt_logprobs field (echo with logprobs
         fetches them too, for the echoed tokens alone); skipped_ids: the special tokens the output's
-        text leaves out (skip_special_tokens), which move no text_offset."""
+        text leaves out (skip_special_tokens), which move no text_offset; special_ids: all of them,
+        for an echoed text prompt, which is the text as sent (a BOS the tokenizer added is not in it)."""
         super().__init__(model, speller, logprobs, include_usage)
         self.skipped_ids = skipped_ids
+        self.special_ids = special_ids
         self.prompts = prompts
         self.n = n
         self.echo = echo
@@ -609,6 +628,9 @@ class CompletionResponder(_Responder):
             offsets.append(self._text_offsets[index])
             if i >= num_echoed and token_id in self.skipped_ids:
                 continue
+            if i < num_echoed and token_id in self.special_ids and not echo.text.startswith(
+                    s.token_bytes(token_id).decode("utf-8", "replace"), self._text_offsets[index]):
+                continue  # added by the tokenizer (a BOS): the echoed text as sent has no such piece
             data = self._partial_char[index] + s.token_bytes(token_id)
             text, consumed = codecs.utf_8_decode(data, "replace", i == num_echoed - 1)
             # An echoed prompt that ends inside a character ends in U+FFFD there (final decode):

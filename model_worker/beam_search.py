@@ -71,11 +71,14 @@ class BeamSearch:
 
     @property
     def num_candidates(self) -> int:
-        """Candidates asked per beam: (1 + stop ids) x W, at least 2W, as transformers keeps, so W
-        beams survive however many of the candidates stop (with 2W and several stop ids, a round
-        could keep fewer than W beams, and 2 of 60 searches ended on worse hypotheses than
-        transformers'); more when the request wants more alternatives in its logprobs."""
-        return max((1 + len(self.stop_token_ids)) * self.beam_width, 2 * self.beam_width, self.top_logprobs)
+        """Candidates asked per beam: W + stop ids, at least 2W, so each beam offers W that do not
+        stop however many of its best do, and the joint choice sees every candidate of the best
+        W (with 2W and several stop ids, a round could keep fewer than W beams: 2 of 60 searches
+        ended on worse hypotheses than transformers'). transformers keeps (1 + stop ids) x W of
+        the beams' candidates flattened; per beam, W + stop ids gives the same choice at a cost
+        that grows with the stop ids once, not W times. More when the request wants more
+        alternatives in its logprobs."""
+        return max(self.beam_width + len(self.stop_token_ids), 2 * self.beam_width, self.top_logprobs)
 
     def score(self, cumulative_logprob: float, num_tokens: int) -> float:
         return cumulative_logprob / max(num_tokens, 1) ** self.length_penalty

@@ -332,7 +332,8 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.sampler.release(seq.seq_id)
-        self.runner.release(seq.seq_id)
+        if not self.scheduler.has_work():
+            self.runner.engine_idle()
         self._prompt_logprobs.pop(seq.seq_id, None)
         self._group_of.pop(seq.seq_id, None)
         self._grammars.pop(seq.seq_id, None)

@@ -387,11 +387,12 @@ class ModelRunner:
         """False on the transformers path, whose per-sequence caches share no blocks."""
         return not isinstance(self.model, HFCausalLM)
 
-    def release(self, seq_id: int) -> None:
-        """A sequence ended (finished or aborted): the transformers path drops its cache now; the
-        paged cache's blocks the block manager frees."""
+    def engine_idle(self) -> None:
+        """The engine's last sequence ended (finished or aborted): the transformers path drops
+        the caches of ended sequences now, not at the next request's step (an idle worker held
+        them); while others run, they go at the next step, once forked samples took their copies."""
         if isinstance(self.model, HFCausalLM):
-            self.model.release(seq_id)
+            self.model.drop_freed_caches()
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> StepLogits:

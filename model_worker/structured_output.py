@@ -18,9 +18,13 @@ from typing import Literal
 
 import llguidance
 import llguidance.torch
-import numpy as np
 import torch
 
+from model_worker.sampling.processors import (  # noqa: F401  (their home; imported here by tests and bench)
+    apply_token_bitmask_,
+    unpack_bitmask,
+    unpack_bitmask_torch,
+)
 from tokenwire.v1 import model_worker_pb2 as pb
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
@@ -226,45 +230,9 @@ class TokenBitmaskFiller:
         return bitmask
 
 
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bitmask [R, W] int32 -> allowed [R, vocab_size] bool (True: the token may be drawn)."""
-    if bitmask.device.type == "cpu":
-        # numpy's unpackbits is one C loop over the bytes; the torch form makes [R, 4W, 8] temporaries.
-        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, count=vocab_size,
-                             bitorder="little")
-        return torch.from_numpy(bits).view(torch.bool)
-    return unpack_bitmask_torch(bitmask, vocab_size)
-
-
-def unpack_bitmask_torch(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """unpack_bitmask on any device (CUDA keeps the mask where the logits are)."""
-    # Byte view of little-endian int32 words: byte b of word w holds tokens 32w + 8b .. +7,
-    # lowest bit first, so unpacking each byte low-to-high keeps token order.
-    as_bytes = bitmask.contiguous().view(torch.uint8)  # [R, 4W]
-    bits = (as_bytes[:, :, None] >> _BIT_SHIFTS.to(bitmask.device)) & 1  # [R, 4W, 8]
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
-
-
 def allow_token_(bitmask: torch.Tensor, row: int, token_id: int) -> None:
     """Sets token_id's bit in a row of a packed int32 bitmask [S, W], in place."""
     word = (int(bitmask[row, token_id // 32]) | (1 << (token_id % 32))) & 0xFFFFFFFF
     bitmask[row, token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word  # as int32
 
 
-def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Sets logits [S, V] of tokens the bitmask [S, W] does not allow to -inf, in place.
-
-    Only rows with some bit clear are unpacked and written; all-ones (unconstrained) rows are
-    not touched. -inf, not finfo.min, so later softmax, top-k and argmax give them exactly 0.
-    """
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    rows = (bitmask != -1).any(dim=1).nonzero()[:, 0]  # [R]
-    if rows.numel() == logits.shape[0]:
-        # Unpacking the complement gives the disallowed tokens without a separate negation pass.
-        logits.masked_fill_(unpack_bitmask(~bitmask, logits.shape[-1]), float("-inf"))
-    elif rows.numel():
-        disallowed = unpack_bitmask(~bitmask.index_select(0, rows), logits.shape[-1])  # [R, V]
-        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(disallowed, float("-inf")))

@@ -301,9 +301,16 @@ def test_text_offset_skips_the_special_tokens_the_text_leaves_out() -> None:
                                     skipped_ids=frozenset({1}))
     choice = as_json(responder.chunk(0, event("AB", [0x41, 1, 0x42], finish="length", logprobs=True)))["choices"][0]
     assert choice["logprobs"]["text_offset"] == [0, 1, 1]
+    # An echoed text prompt is the text as sent: a BOS the tokenizer added (token 2 here, not in
+    # the text) moves no offset ("Hello world" read [0, 12, 17] with Llama's "<s>"), while a
+    # special token the prompt wrote itself does.
+    bos = CompletionResponder("m", ByteSpeller(), logprobs=True, prompts=[PromptEcho("hi", [2, 104, 105])], n=1,
+                              echo=True, special_ids=frozenset({2}))
+    choice = as_json(bos.chunk(0, event("A", [0x41], finish="length", logprobs=True)))["choices"][0]
+    assert choice["text"] == "hiA" and choice["logprobs"]["text_offset"] == [0, 0, 1, 2]
     # The echoed prompt keeps its special tokens: it is the prompt's own text.
     echoing = CompletionResponder("m", ByteSpeller(), logprobs=True, prompts=[PromptEcho("\x01h", [1, 104])], n=1,
-                                  echo=True, skipped_ids=frozenset({1}))
+                                  echo=True, skipped_ids=frozenset({1}), special_ids=frozenset({1}))
     choice = as_json(echoing.chunk(0, event("A", [0x41], finish="length", logprobs=True)))["choices"][0]
     assert choice["text"] == "\x01hA" and choice["logprobs"]["text_offset"] == [0, 1, 2]
 
@@ -433,6 +440,15 @@ async def test_a_spelled_tag_in_the_event_that_brings_the_thinking_end_token_is_
     assert "".join(d.get("reasoning") or "" for d in deltas) == "a </think> b"
     arguments = [call["function"]["arguments"] for d in deltas for call in d.get("tool_calls") or []]
     assert "".join(arguments) == '{"a": 1}'
+    # The answer spells the tag after the real token in the same event: the thinking still ends
+    # at the token's (the renderer knows the ids after it: their text holds one tag).
+    spelled_after = ChatResponder("m", ByteSpeller(), logprobs=False, reasoning_parser="deepseek_r1",
+                                  constrained=True, think_end_id=15)
+    tail = list(b"x</think>")
+    chunk = as_json(spelled_after.chunk(0, event("a </think> b</think>x</think>", [1, 2, 3, 15, *tail],
+                                                 finish="stop")))
+    delta = chunk["choices"][0]["delta"]
+    assert (delta["reasoning"], delta["content"]) == ("a </think> b", "x</think>")
     # The answer starts in the same event: the text after the token's tag is the call's.
     same_event = responder()
     chunk = as_json(same_event.chunk(0, event('a </think> b</think>{"a"', [1, 2, 3, 15, 4])))

@@ -58,16 +58,26 @@ def test_server_flags_come_in_pairs_and_must_be_readable(certs: Certs, tmp_path:
 def test_a_key_of_another_certificate_or_a_ca_file_of_no_certificate_is_a_start_up_error(certs: Certs) -> None:
     # grpc took them and failed every handshake later: the gateway said only DEADLINE_EXCEEDED,
     # after its whole --startup-timeout-s.
-    with pytest.raises(ValueError, match="--worker-tls-key-file .* is not the private key of --worker-tls-cert-file"):
+    with pytest.raises(ValueError, match="--worker-tls-key-file .* does not load as the private key of --worker-tls-cert-file"):
         gateway.config.Config(worker_tls_ca_file=str(certs.ca), worker_tls_cert_file=str(certs.client_cert),
                               worker_tls_key_file=str(certs.server_key))
     with pytest.raises(ValueError, match="--worker-tls-ca-file .* holds no PEM certificate"):
         gateway.config.Config(worker_tls_ca_file=str(certs.server_key))
-    with pytest.raises(ValueError, match="--tls-key-file .* is not the private key of --tls-cert-file"):
+    with pytest.raises(ValueError, match="--tls-key-file .* does not load as the private key of --tls-cert-file"):
         model_worker.config.Config(tls_cert_file=str(certs.server_cert), tls_key_file=str(certs.client_key))
     with pytest.raises(ValueError, match="--tls-client-ca-file .* holds no PEM certificate"):
         detok_worker.config.Config(tls_cert_file=str(certs.server_cert), tls_key_file=str(certs.server_key),
                                    tls_client_ca_file=str(certs.client_key))
+
+
+def test_an_encrypted_key_is_a_start_up_error_not_a_passphrase_prompt(tmp_path: Path) -> None:
+    from tests.tls_certs import _openssl
+
+    cert, key = tmp_path / "enc.pem", tmp_path / "enc.key"
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-passout", "pass:secret",
+             "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=enc")
+    with pytest.raises(ValueError, match="--tls-key-file .* it is encrypted"):
+        model_worker.config.Config(tls_cert_file=str(cert), tls_key_file=str(key))
 
 
 def test_gateway_flags_need_a_ca_and_a_whole_client_pair(certs: Certs) -> None:

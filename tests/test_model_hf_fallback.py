@@ -157,6 +157,26 @@ def test_prompt_logprobs_match_transformers(neox):
     assert_prompt_logprobs_match_transformers(runner, model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_start_up_check_tells_models_that_take_a_cache_one_token_at_a_time(tmp_path, tiny_model_dir, dtype):
+    # In bfloat16 a tolerance of 3% of the logits' scale passed Mamba (0.10 off against 0.14).
+    from transformers import FalconMambaConfig, FalconMambaForCausalLM
+
+    torch.manual_seed(0)
+    falcon_mamba = FalconMambaForCausalLM(FalconMambaConfig(vocab_size=49152, hidden_size=64, num_hidden_layers=2,
+                                                            state_size=8, expand=2, conv_kernel=4)).eval()
+    builders = {"mamba": _mamba, "falcon_mamba": lambda: falcon_mamba, "neox": _gpt_neox, "opt": _opt}
+    for name, build in builders.items():
+        torch.manual_seed(0)
+        model = build().eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        model_dir = save_tiny_model(model, tmp_path / name, tiny_model_dir)
+        runner = ModelRunner(model_dir, "auto", CPU, dtype, max_num_seqs=2, max_model_len=64)
+        assert runner.model.continues_chunks == (name in ("neox", "opt")), (name, dtype)
+
+
 def test_an_ended_sequence_drops_its_cache_at_once(neox):
     # Not at the next request's step: an idle worker held the caches of everything that had run.
     _, model_dir = neox

@@ -84,6 +84,17 @@ def test_the_launcher_refuses_bad_counts_and_ports_in_one_line(args: list[str], 
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
 
+def test_abbreviated_flags_and_tls_variables_do_not_get_past_the_stack(tmp_path) -> None:
+    # "--hos 0.0.0.0" reached the model worker's --host (its gRPC has no API keys); a TLS file
+    # named in the environment made the stack's plaintext probes wait 300 s.
+    done = subprocess.run([sys.executable, "-m", "model_worker", "--hos", "0.0.0.0"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "unrecognized arguments: --hos" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "tokenwire.stack"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "TOKENWIRE_DETOK_TLS_CERT_FILE": "c.pem"})
+    assert done.returncode == 2 and "TOKENWIRE_DETOK_TLS_CERT_FILE: the stack runs its services" in done.stderr
+
+
 def test_a_service_that_fails_to_start_ends_the_launcher_in_one_line(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-m", "tokenwire.stack", "--port", str(stack.free_port()), "--",
                            "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
@@ -198,11 +209,14 @@ def test_a_signal_during_start_up_ends_the_launcher_at_once(tiny_model_dir) -> N
     (["--drain-grace-s=5", "--port", "1"], None, 5.0),
     (["--drain-grace-s", "5", "--drain-grace-s=7"], None, 7.0),  # the last, as argparse takes it
     ([], {"TOKENWIRE_GATEWAY_DRAIN_GRACE_S": "90"}, 90.0),
+    # Another service's variable is not the gateway's (the first found was taken: 5 s, review 95).
+    ([], {"TOKENWIRE_MODEL_WORKER_DRAIN_GRACE_S": "5", "TOKENWIRE_GATEWAY_DRAIN_GRACE_S": "120"}, 120.0),
+    ([], {"TOKENWIRE_DETOK_DRAIN_GRACE_S": "5"}, 30.0),
     (["--drain-grace-s", "oops"], None, 30.0),  # the service refuses it itself
 ])
 def test_a_service_gets_its_own_drain_grace_before_it_is_killed(args, env, grace) -> None:
     # A fixed 40 s cut a 120 s drain short: 7 of 40 requests got an empty reply.
-    assert stack.drain_grace_s(args, env) == grace
+    assert stack.drain_grace_s(args, env, service="gateway") == grace
     service = stack.ServiceProcess("gateway", [sys.executable, "-m", "gateway", *args],
                                    subprocess.Popen([sys.executable, "-c", "pass"]), env)
     service.process.wait()

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tokenwire.grpc_tls import check_bindable
+from tokenwire.stack import free_port
 
 
 @pytest.mark.parametrize("module", ["model_worker", "detok_worker"])
@@ -49,5 +50,7 @@ def test_check_bindable_takes_port_0_and_ipv6_and_names_the_address() -> None:
         except OSError:
             pytest.skip("no IPv6 loopback here")
         check_bindable("::1", port)  # an IPv6 host: the stack's check only knew IPv4
+        check_bindable("[::1]", port)  # as a worker's --host writes it for grpc (it was refused)
+    check_bindable("", free_port())  # the wildcard, as the stack's --host "" means
     with socket.create_server(("127.0.0.1", 0)) as taken, pytest.raises(OSError, match="cannot serve on 127.0.0.1"):
         check_bindable("127.0.0.1", taken.getsockname()[1])

@@ -62,7 +62,8 @@ def parse_config(cls: type[ConfigT], argv: Sequence[str] | None = None, env_pref
     """
     hints = typing.get_type_hints(cls)
     # Named as it is run ("python -m model_worker"), not "__main__.py".
-    parser = argparse.ArgumentParser(prog=f"python -m {cls.__module__.split('.')[0]}",
+    # No abbreviations: "--hos" reached --host past the stack's check of the flags it sets itself.
+    parser = argparse.ArgumentParser(prog=f"python -m {cls.__module__.split('.')[0]}", allow_abbrev=False,
                                      description=description or (cls.__doc__ or "").strip())
     for field in dataclasses.fields(cls):
         tp = hints[field.name]

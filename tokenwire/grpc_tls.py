@@ -67,12 +67,16 @@ def check_pem(cert_file: str, key_file: str, ca_file: str, flags: tuple[str, str
     certificates: grpc takes any bytes here and fails each handshake later, which a client saw
     only as DEADLINE_EXCEEDED after its whole --startup-timeout-s."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+    def no_passphrase() -> str:  # else ssl asks for one on a terminal, or fails as a bare OSError
+        raise ValueError("it is encrypted: grpc takes unencrypted PEM keys only")
+
     if cert_file and key_file:
         try:
-            context.load_cert_chain(cert_file, key_file)
-        except (ssl.SSLError, ValueError) as exc:
-            raise ValueError(f"{flags[1]} {key_file!r} is not the private key of {flags[0]} {cert_file!r} (or one of "
-                             f"them is not PEM): {exc}") from exc
+            context.load_cert_chain(cert_file, key_file, password=no_passphrase)
+        except (ssl.SSLError, ValueError, OSError) as exc:
+            raise ValueError(f"{flags[1]} {key_file!r} does not load as the private key of {flags[0]} {cert_file!r} "
+                             f"(a key of another certificate, or not PEM): {exc}") from exc
     if ca_file:
         try:
             context.load_verify_locations(cafile=ca_file)
@@ -129,8 +133,9 @@ def check_bindable(host: str, port: int) -> None:
     if port == 0:
         return
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        # "[::1]" as the workers' --host writes an IPv6 address for grpc; "" is the wildcard.
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]") or None, port,
+                                                             type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         with socket.socket(family, kind, proto) as probe:
             # As grpc binds: connections of a worker that just exited (TIME_WAIT) do not hold
             # the port, a listening socket does.

@@ -42,9 +42,15 @@ STOP_S = 30.0 + STOP_SLACK_S
 STARTING_STOP_S = 5.0
 
 
-def drain_grace_s(args: Sequence[str], env: dict[str, str] | None = None, default: float = 30.0) -> float:
+# Each service's environment prefix (its __main__'s parse_config env_prefix).
+ENV_PREFIXES = {"model_worker": "TOKENWIRE_MODEL_WORKER_", "detok_worker": "TOKENWIRE_DETOK_",
+                "gateway": "TOKENWIRE_GATEWAY_"}
+
+
+def drain_grace_s(args: Sequence[str], env: dict[str, str] | None = None, default: float = 30.0,
+                  service: str = "gateway") -> float:
     """The --drain-grace-s a service runs with: its flag (last one wins, as argparse takes it),
-    else its TOKENWIRE_*_DRAIN_GRACE_S variable, else the default."""
+    else its own <prefix>DRAIN_GRACE_S variable (another service's is not its), else the default."""
     grace: str | None = None
     for i, arg in enumerate(args):
         if arg == "--drain-grace-s" and i + 1 < len(args):
@@ -52,8 +58,7 @@ def drain_grace_s(args: Sequence[str], env: dict[str, str] | None = None, defaul
         elif arg.startswith("--drain-grace-s="):
             grace = arg.partition("=")[2]
     if grace is None:
-        grace = next((v for k, v in (env or {}).items() if k.startswith("TOKENWIRE_") and k.endswith("DRAIN_GRACE_S")),
-                     None)
+        grace = (env or {}).get(f"{ENV_PREFIXES.get(service, 'TOKENWIRE_')}DRAIN_GRACE_S")
     try:
         return float(grace) if grace is not None else default
     except ValueError:
@@ -75,7 +80,7 @@ class ServiceProcess:
     def stop_timeout_s(self) -> float:
         """Its drain's grace and STOP_SLACK_S: a 120 s grace was cut at 40 s (7 of 40 requests
         got an empty reply, and the stack still exited 0)."""
-        return drain_grace_s(self.args, self.process_env) + STOP_SLACK_S
+        return drain_grace_s(self.args, self.process_env, service=self.name) + STOP_SLACK_S
 
     def stop(self, timeout_s: float | None = None) -> bool:
         """SIGTERM (the service drains), then SIGKILL if it has not exited within timeout_s (its
@@ -296,6 +301,12 @@ def main() -> int:
                 parser.error(f"{name}: the stack runs its services on loopback in plaintext and probes them so; "
                              "for TLS (between them, or HTTPS on the gateway) start each service itself "
                              "(deploy/README.md)")
+    # The services read their flags from the environment too: the stack's own flags win over
+    # addresses there, but nothing of its overrides a TLS file named there.
+    for variable in os.environ:
+        if any(variable.startswith((f"{prefix}TLS_", f"{prefix}WORKER_TLS_")) for prefix in ENV_PREFIXES.values()):
+            parser.error(f"{variable}: the stack runs its services on loopback in plaintext and probes them so; "
+                         "unset it, or start each service itself for TLS (deploy/README.md)")
     if not any(a.startswith("--num-threads") for a in extra):
         extra += ["--num-threads", str(one_host_worker_threads(args.num_model_workers))]
     stopping = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -316,12 +317,56 @@ def _topk_of_packed_keys(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return x.gather(-1, ids), ids
 
 
-def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bitmask [S, ceil(V / 32)] int32, bit j of word w allowing token 32 * w + j (xgrammar's
-    layout) -> allowed [S, V] bool."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :, None] >> shifts) & 1  # [S, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask [R, W] int32 -> allowed [R, vocab_size] bool (True: the token may be drawn)."""
+    if bitmask.device.type == "cpu":
+        # numpy's unpackbits is one C loop over the bytes; the torch form makes [R, 4W, 8] temporaries.
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, count=vocab_size,
+                             bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool)
+    return unpack_bitmask_torch(bitmask, vocab_size)
+
+
+def unpack_bitmask_torch(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """unpack_bitmask on any device (CUDA keeps the mask where the logits are)."""
+    # Byte view of little-endian int32 words: byte b of word w holds tokens 32w + 8b .. +7,
+    # lowest bit first, so unpacking each byte low-to-high keeps token order.
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # [R, 4W]
+    bits = (as_bytes[:, :, None] >> _BIT_SHIFTS.to(bitmask.device)) & 1  # [R, 4W, 8]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Sets logits [S, V] of tokens the bitmask [S, W] does not allow to -inf, in place.
+
+    Only rows with some bit clear are unpacked and written; all-ones (unconstrained) rows are
+    not touched. -inf, not finfo.min, so later softmax, top-k and argmax give them exactly 0.
+    """
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    rows = (bitmask != -1).any(dim=1).nonzero()[:, 0]  # [R]
+    if rows.numel() == logits.shape[0]:
+        # Unpacking the complement gives the disallowed tokens without a separate negation pass.
+        logits.masked_fill_(unpack_bitmask(~bitmask, logits.shape[-1]), float("-inf"))
+    elif rows.numel():
+        disallowed = unpack_bitmask(~bitmask.index_select(0, rows), logits.shape[-1])  # [R, V]
+        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(disallowed, float("-inf")))
+
+
+def masked_by_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] (a new tensor) with -inf for the tokens bitmask [S, W] (xgrammar's layout, bit
+    j of word w allowing token 32 * w + j) forbids. A row it leaves empty (a parser in error) keeps
+    its logits: its logprobs stay finite, and its matcher refuses the token drawn. On the CPU only
+    the constrained rows are unpacked (numpy) and written; elsewhere one pass, with no host sync."""
+    bitmask = torch.where((bitmask == 0).all(dim=1, keepdim=True), -1, bitmask.to(logits.device))
+    out = logits.clone()  # the caller's logits may be float32 already, and are kept
+    if out.device.type == "cpu":
+        apply_token_bitmask_(out, bitmask)
+    else:
+        out.masked_fill_(unpack_bitmask_torch(~bitmask, out.shape[-1]), float("-inf"))
+    return out
 
 
 # Candidates beyond k that topk_lowest_id_first takes, so ties at the k-th place are usually all in.

@@ -99,11 +99,7 @@ class Sampler:
         batch = self._batch_for(seqs)
         logits = logits.float()
         if allowed_token_bitmask is not None:
-            allowed = processors.unpack_token_bitmask(allowed_token_bitmask, logits.shape[-1])
-            # A row the grammar leaves empty (a parser in error) keeps its logits: its logprobs
-            # stay finite, and the token drawn is refused by its matcher, which ends the sample.
-            allowed |= ~allowed.any(dim=-1, keepdim=True)
-            logits = logits.masked_fill(~allowed, NEG_INF)  # out of place: the caller's may be float already
+            logits = processors.masked_by_bitmask(logits, allowed_token_bitmask)
         if batch.fast_greedy:
             token_ids = self._argmax(logits)
             out = self._logprobs(batch, logits, None, token_ids)
@@ -218,7 +214,7 @@ class Sampler:
             active = b.state.num_output.index_select(0, rows) < b.min_tokens.index_select(0, rows)
             x.index_put_((rows, ids), torch.where(active, NEG_INF, x[rows, ids]))
         if bitmask is not None:
-            x.masked_fill_(~processors.unpack_token_bitmask(bitmask, x.shape[-1]), NEG_INF)
+            processors.apply_token_bitmask_(x, bitmask)
         return x
 
     def _apply_dry(self, b: SamplingBatch, x: torch.Tensor) -> torch.Tensor:
