@@ -144,7 +144,10 @@ def run_worker(name: str, serve: Awaitable[None]) -> None:
     try:
         asyncio.run(serve)
     except StartupError as exc:
-        logging.getLogger(name).error("%s", exc)
+        logger_ = logging.getLogger(name)
+        logger_.error("%s", exc)
+        # What raised it, for a load that failed on a bug rather than on a flag (--log-level debug).
+        logger_.debug("start-up failed at:", exc_info=exc.__cause__ or exc)
         raise SystemExit(1) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
