@@ -17,17 +17,16 @@ from tokenwire.config_cli import parse_config
 from tokenwire.gc_heap import freeze_startup_heap, pause_collections_until_frozen
 from tokenwire.grpc_io import log_io_note
 from tokenwire.grpc_server import (
-    StartupError,
     add_health_and_reflection,
+    check_port,
     mark_serving,
     new_server,
     run_worker,
     serve_until_signal,
     wait_quiet,
 )
-from tokenwire.grpc_tls import check_bindable
 from tokenwire.sched_slice import use_serving_slice
-from tokenwire.stack import exit_with_the_stack
+from tokenwire.stack import ENV_PREFIXES, exit_with_the_stack
 from tokenwire.v1 import common_pb2, detok_worker_pb2_grpc
 
 logger = logging.getLogger("detok_worker")
@@ -51,10 +50,7 @@ def decoding_then_freeze() -> Callable[[common_pb2.TokenizerIdentity], Tokenizer
 
 
 async def serve(config: Config) -> None:
-    try:
-        check_bindable(config.host, config.port)
-    except OSError as exc:
-        raise StartupError(str(exc)) from exc
+    check_port(config.host, config.port)
     server = new_server()
     servicer = DetokenizerServicer(decoding_then_freeze())
     detok_worker_pb2_grpc.add_DetokenizerServicer_to_server(servicer, server)
@@ -69,7 +65,7 @@ async def serve(config: Config) -> None:
 
 def main() -> None:
     exit_with_the_stack()  # started by `python -m tokenwire.stack`: end with it
-    config = parse_config(Config, env_prefix="TOKENWIRE_DETOK_")
+    config = parse_config(Config, env_prefix=ENV_PREFIXES["detok_worker"])
     pause_collections_until_frozen()  # frozen once the first tokenizer is loaded (decoding_then_freeze)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -20,7 +20,7 @@ from tokenwire.config_cli import parse_config
 from tokenwire.gc_heap import pause_collections_until_frozen
 from tokenwire.grpc_io import log_io_note
 from tokenwire.sched_slice import use_serving_slice
-from tokenwire.stack import exit_with_the_stack
+from tokenwire.stack import ENV_PREFIXES, exit_with_the_stack
 
 logger = logging.getLogger("gateway")
 
@@ -124,7 +124,7 @@ async def serve(config: Config) -> int:
 
 def main() -> None:
     exit_with_the_stack()  # started by `python -m tokenwire.stack`: end with it
-    config = parse_config(Config, env_prefix="TOKENWIRE_GATEWAY_")
+    config = parse_config(Config, env_prefix=ENV_PREFIXES["gateway"])
     pause_collections_until_frozen()  # the app's lifespan freezes the heap once the workers answer
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_io_note()

@@ -406,18 +406,17 @@ class ChatResponder(_Responder):
         if brings_end_token:
             self._think_ended.add(index)
         reasoning, content = stream.feed(event.text, self.think_end_id is None or index in self._think_ended,
-                                         brings_end_token, self._ends_after_think_end(event.token_ids))
+                                         brings_end_token,
+                                         self._ends_after_think_end(event.token_ids) if brings_end_token else 0)
         if event.finish_reason is not None:
             more_reasoning, more_content = stream.finish()
             reasoning, content = reasoning + more_reasoning, content + more_content
         return reasoning, content
 
     def _ends_after_think_end(self, token_ids: list[int]) -> int:
-        """How many "</think>" the tokens after think_end_id spell in their own text (the answer
-        writing the tag just after the real token, in the same event); 0 where the renderer does
-        not know them (it renders a stream's tokens only when logprobs are asked for)."""
-        if self.think_end_id not in token_ids:
-            return 0
+        """How many "</think>" the tokens after think_end_id (which token_ids hold) spell in their
+        own text (the answer writing the tag just after the real token, in the same event); 0 where
+        the renderer does not know them (it renders a stream's tokens only when logprobs are asked for)."""
         after = token_ids[token_ids.index(self.think_end_id) + 1:]
         try:
             text = b"".join(self.speller.token_bytes(t) for t in after).decode("utf-8", "replace")
@@ -628,10 +627,11 @@ class CompletionResponder(_Responder):
             offsets.append(self._text_offsets[index])
             if i >= num_echoed and token_id in self.skipped_ids:
                 continue
+            piece = s.token_bytes(token_id)
             if i < num_echoed and token_id in self.special_ids and not echo.text.startswith(
-                    s.token_bytes(token_id).decode("utf-8", "replace"), self._text_offsets[index]):
+                    piece.decode("utf-8", "replace"), self._text_offsets[index]):
                 continue  # added by the tokenizer (a BOS): the echoed text as sent has no such piece
-            data = self._partial_char[index] + s.token_bytes(token_id)
+            data = self._partial_char[index] + piece
             text, consumed = codecs.utf_8_decode(data, "replace", i == num_echoed - 1)
             # An echoed prompt that ends inside a character ends in U+FFFD there (final decode):
             # the output's text starts afresh, as the detok worker does not finish the character.

@@ -32,9 +32,8 @@ from tokenwire import grpc_server
 from tokenwire.config_cli import parse_config
 from tokenwire.gc_heap import freeze_startup_heap, pause_collections_until_frozen
 from tokenwire.grpc_io import log_io_note
-from tokenwire.grpc_tls import check_bindable
 from tokenwire.sched_slice import use_serving_slice
-from tokenwire.stack import exit_with_the_stack
+from tokenwire.stack import ENV_PREFIXES, exit_with_the_stack
 from tokenwire.tokenizer_files import num_token_ids, tokenizer_identity
 from tokenwire.v1 import model_worker_pb2 as pb
 from tokenwire.v1 import model_worker_pb2_grpc
@@ -269,11 +268,11 @@ def check_served_model_files(model: str) -> None:
 
 async def serve(config: Config) -> None:
     # What the worker cannot start with is one line, found before the model loads where it can
-    # be (a port in use was found after the load), else as the load finds it.
+    # be, else as the load finds it.
+    grpc_server.check_port(config.host, config.port)
     try:
-        check_bindable(config.host, config.port)
         check_served_model_files(config.model)
-    except (ModelNotFoundError, OSError) as exc:
+    except ModelNotFoundError as exc:
         raise grpc_server.StartupError(str(exc)) from exc
     # Built on the thread that will run its steps, so torch has one OpenMP team (see new_engine_thread).
     engine_thread = new_engine_thread()
@@ -341,7 +340,7 @@ async def stop_engine(loop: EngineLoop, watcher: asyncio.Task | None) -> None:
 
 def main() -> None:
     exit_with_the_stack()  # started by `python -m tokenwire.stack`: end with it
-    config = parse_config(Config, env_prefix="TOKENWIRE_MODEL_WORKER_")
+    config = parse_config(Config, env_prefix=ENV_PREFIXES["model_worker"])
     pause_collections_until_frozen()  # serve() freezes the heap once the engine is built
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_io_note()

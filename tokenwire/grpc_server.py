@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokenwire.grpc_tls import ServerTLS, add_port
+from tokenwire.grpc_tls import ServerTLS, add_port, check_bindable
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,15 @@ FLUSH_S = 0.5
 
 class StartupError(Exception):
     """A flag, file or port a worker cannot start with: one log line, no traceback."""
+
+
+def check_port(host: str, port: int) -> None:
+    """A worker's first check, before it loads anything: raises StartupError unless host:port can
+    be bound (a port in use was found after the model's load, as a traceback)."""
+    try:
+        check_bindable(host, port)
+    except OSError as exc:
+        raise StartupError(str(exc)) from exc
 
 
 def run_worker(name: str, serve: Awaitable[None]) -> None:

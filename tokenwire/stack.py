@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tokenwire.grpc_server import DEFAULT_GRACE_S
 from tokenwire.grpc_tls import ClientTLS, check_bindable, sync_channel
 
 
@@ -38,16 +39,16 @@ class ServiceFailedToStart(RuntimeError):
 # How long a service gets to exit before SIGKILL: a running one drains (its --drain-grace-s, 30 s
 # by default) and gets this much more; one stopped during the stack's start-up serves nothing yet.
 STOP_SLACK_S = 10.0
-STOP_S = 30.0 + STOP_SLACK_S
 STARTING_STOP_S = 5.0
 
 
-# Each service's environment prefix (its __main__'s parse_config env_prefix).
+# Each service's environment prefix: its __main__ parses its flags with it, and the stack reads
+# a service's drain grace with it.
 ENV_PREFIXES = {"model_worker": "TOKENWIRE_MODEL_WORKER_", "detok_worker": "TOKENWIRE_DETOK_",
                 "gateway": "TOKENWIRE_GATEWAY_"}
 
 
-def drain_grace_s(args: Sequence[str], env: dict[str, str] | None = None, default: float = 30.0,
+def drain_grace_s(args: Sequence[str], env: dict[str, str] | None = None, default: float = DEFAULT_GRACE_S,
                   service: str = "gateway") -> float:
     """The --drain-grace-s a service runs with: its flag (last one wins, as argparse takes it),
     else its own <prefix>DRAIN_GRACE_S variable (another service's is not its), else the default."""

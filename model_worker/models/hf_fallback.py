@@ -158,7 +158,6 @@ class HFCausalLM:
         for seq_id in [i for i, entry in self._caches.items() if not entry.seq.block_table]:
             del self._caches[seq_id]
 
-
     @torch.inference_mode()
     def begin_step(self, chunks: list[tuple[Sequence, int]]) -> None:
         """Before a step's forwards, given (sequence, start) of every chunk: gives each forked
