@@ -54,7 +54,11 @@ class Config(SchedSliceOption):
     model_worker_dns_refresh_s: float = field(default=10.0, metadata={
         "help": "seconds between DNS lookups of dns:/// --model-workers entries (pods joining and leaving)"})
     detok_workers: list[str] = field(default_factory=lambda: ["127.0.0.1:50052"], metadata={
-        "help": "detok worker gRPC addresses, comma-separated; sequences are spread across them"})
+        "help": "detok worker gRPC addresses, comma-separated; each sequence goes to the least-loaded connected "
+                "one. A dns:///HOST:PORT entry is resolved by the gateway into one replica (one stream) per "
+                "address, again every --detok-worker-dns-refresh-s"})
+    detok_worker_dns_refresh_s: float = field(default=10.0, metadata={
+        "help": "seconds between DNS lookups of dns:/// --detok-workers entries (pods joining and leaving)"})
     served_model_name: str = field(default="", metadata={
         "help": "model id clients send and see; default: the model worker's model id"})
     startup_timeout_s: float = field(default=300.0, metadata={
@@ -122,8 +126,9 @@ class Config(SchedSliceOption):
             check_worker_address(address, "--model-workers")
         if len(set(self.model_workers)) != len(self.model_workers):
             raise ValueError("--model-workers lists an address twice (each entry is one replica, or one DNS name)")
-        if self.model_worker_dns_refresh_s <= 0:
-            raise ValueError("--model-worker-dns-refresh-s must be > 0")
+        for flag in ("model_worker_dns_refresh_s", "detok_worker_dns_refresh_s"):
+            if not getattr(self, flag) > 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be > 0")
         if self.detok_warmup_timeout_s <= 0:
             raise ValueError("--detok-warmup-timeout-s must be > 0")
         if not self.detok_workers:

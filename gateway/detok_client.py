@@ -49,11 +49,11 @@ class ReplicaRefused(RuntimeError):
 
 
 class DetokClient:
-    def __init__(self, index: int, address: str, channel: grpc.aio.Channel,
-                 on_frame: Callable[[int, detok_worker_pb2.TextDeltaFrame], None],
-                 on_lost: Callable[[int, Exception], None], warmup_timeout_s: float = 10.0) -> None:
-        self.index = index
+    def __init__(self, address: str, channel: grpc.aio.Channel,
+                 on_frame: Callable[[DetokClient, detok_worker_pb2.TextDeltaFrame], None],
+                 on_lost: Callable[[DetokClient, Exception], None], warmup_timeout_s: float = 10.0) -> None:
         self.address = address
+        self.channel = channel
         self.num_open_sequences = 0  # kept by the pipeline, for least-loaded placement
         self._stub = detok_worker_pb2_grpc.DetokenizerStub(channel)
         self._opens: dict[str, detok_worker_pb2.OpenSequence] = {}
@@ -100,6 +100,11 @@ class DetokClient:
         """The stream is up and the replica takes new sequences (not draining); the pipeline
         places new sequences only on connected replicas."""
         return self.stream.connected and self.health.serving
+
+    @property
+    def has_queued(self) -> bool:
+        """Opens, ids or closes wait for the sender."""
+        return bool(self._opens or self._tokens or self._closes or self._rows)
 
     def assign_handle(self, open_: detok_worker_pb2.OpenSequence) -> None:
         """Gives the sequence a handle (the most recently freed, else a new one): its ids then go
@@ -214,7 +219,7 @@ class DetokClient:
         return None
 
     def _take_frame(self) -> detok_worker_pb2.DetokenizeFrame | None:
-        if not self._opens and not self._tokens and not self._closes and not self._rows:
+        if not self.has_queued:
             return None
         tokens, rows = self._tokens, self._rows
         self._tokens, self._rows = {}, {}
@@ -263,7 +268,7 @@ class DetokClient:
                              "reopening the stream with per-sequence entries", self.address)
                 raise ResetStream("the detok worker does not read TokenColumns (an older version)")
         try:
-            self._on_frame(self.index, frame)
+            self._on_frame(self, frame)
         finally:
             if self._closing and self._closing[0][0] <= self._num_replies:
                 # Frames are answered one for one, in order: this reply ends the closed
@@ -285,7 +290,7 @@ class DetokClient:
         self._num_frames_sent = self._num_replies = 0
         self._sent_at.clear()
         self._queued_id_bytes = 0
-        self._on_lost(self.index, error)
+        self._on_lost(self, error)
 
 
 def _entry_id_bytes(entry: detok_worker_pb2.SequenceTokenIds) -> int:

@@ -69,9 +69,9 @@ def ops_router(error_responses: dict[int | str, dict[str, Any]]) -> APIRouter:
         replicas that take no new work, and each answering replica's queue."""
         pipeline: Pipeline = request.app.state.pipeline
         loads, down = await _replica_loads(pipeline, request.app.state.metrics)
-        detoks_up = [d.address for d in pipeline.detoks if d.connected]
+        detoks_up = [d.address for d in pipeline.detok_pool.live if d.connected]
         down += [f"detok worker {d.address} ({d.refusal or ('draining' if d.stream.connected else 'stream down')})"
-                 for d in pipeline.detoks if not d.connected]
+                 for d in pipeline.detok_pool.live if not d.connected]
         if not loads or not detoks_up:
             missing = "no model worker replica" if not loads else "no detok replica"
             raise workers_unavailable(f"not ready: {missing} is connected; down: {'; '.join(down)}")

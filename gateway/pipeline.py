@@ -19,6 +19,7 @@ import grpc
 
 from gateway.config import Config
 from gateway.detok_client import ColumnRow, DetokClient
+from gateway.detok_pool import DetokPool
 from gateway.errors import RETRY_AFTER_S, APIError, from_grpc_code, workers_unavailable
 from gateway.frame_stream import wait_any_connected, why_lost
 from gateway.metrics import GatewayMetrics
@@ -28,18 +29,10 @@ from gateway.prompt_tokenizer import PromptTokenizer
 from gateway.request_mapping import GenerationParams, add_request, open_sequence
 from gateway.request_state import GenerationEvent, RequestState, prompt_logprobs_of
 from gateway.token_rendering import DetokRenderer, TokenRenderer
-from tokenwire.grpc_server import CHANNEL_OPTIONS
-from tokenwire.grpc_tls import aio_channel
 from tokenwire.packing import pack_int32, unpack_int32
 from tokenwire.v1 import detok_worker_pb2, model_worker_pb2
 
 logger = logging.getLogger(__name__)
-
-# Each --detok-workers entry its own connections: channels to one name (a headless Service's
-# dns:///) otherwise share grpc-core's subchannels, and every entry settled on the replica that
-# connected first (4 entries for 2 replicas: one connection, to one of them, in 3 of 3 starts).
-# Apart, each picks its own at random (pick_first's shuffleAddressList).
-DETOK_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]  # a full waiting queue
 
@@ -66,15 +59,11 @@ class _LiveRequest:
 class Pipeline:
     """Owns the worker streams and the table of live requests both readers dispatch into."""
 
-    def __init__(self, config: Config, detok_channels: Sequence[grpc.aio.Channel],
-                 metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, config: Config, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        self._channels = list(detok_channels)
         self.model_workers = ModelWorkerPool(config, self._on_replica_token_frame, self._on_model_lost)
-        self.detoks = [DetokClient(i, address, channel, self._on_text_delta_frame, self._on_detok_lost,
-                                   config.detok_warmup_timeout_s)
-                       for i, (address, channel) in enumerate(zip(config.detok_workers, detok_channels, strict=True))]
+        self.detok_pool = DetokPool(config, self._on_text_delta_frame, self._on_detok_lost)
         self._live: dict[str, _LiveRequest] = {}
         self._closing = ""  # once set (fail_open_requests), why every new request fails at once
         # detok sequence id -> (request, output index)
@@ -86,8 +75,7 @@ class Pipeline:
     @classmethod
     async def connect(cls, config: Config, metrics: GatewayMetrics | None = None) -> Pipeline:
         """Waits (up to config.startup_timeout_s) for both kinds of worker, then opens the streams."""
-        detok_channels = [aio_channel(a, config.worker_tls, DETOK_CHANNEL_OPTIONS) for a in config.detok_workers]
-        pipeline = cls(config, detok_channels, metrics)
+        pipeline = cls(config, metrics)
         try:
             await pipeline._start()
         except BaseException:
@@ -104,9 +92,7 @@ class Pipeline:
         # meanwhile the gateway loads its own. Serving starts once one is up, as with model worker
         # replicas: the others (down, or slower to warm) keep connecting in the background and
         # /ready lists them meanwhile.
-        for detok in self.detoks:
-            detok.tokenizer = self.model_info.tokenizer
-            detok.stream.launch()
+        await self.detok_pool.start(self.model_info.tokenizer, deadline, time.monotonic)
         self.tokenizer = await asyncio.to_thread(
             PromptTokenizer.load, self.model_info.tokenizer, self.model_info.chat_template)
         # Logprob tokens as the detok worker renders them; LocalRenderer(self.tokenizer) is the
@@ -125,13 +111,17 @@ class Pipeline:
 
     async def close(self) -> None:
         self.fail_open_requests("the gateway is shutting down")
-        await asyncio.gather(self.model_workers.close(), *(d.stream.close() for d in self.detoks))
-        await asyncio.gather(*(channel.close() for channel in self._channels))
+        await asyncio.gather(self.model_workers.close(), self.detok_pool.close())
 
     @property
     def ready(self) -> bool:
         """At least one model worker replica and one detok replica take new requests."""
-        return self.model_workers.any_connected and any(d.connected for d in self.detoks)
+        return self.model_workers.any_connected and self.detok_pool.pick() is not None
+
+    @property
+    def detoks(self) -> list[DetokClient]:
+        """Every detok replica (retired ones included, while sequences are open there)."""
+        return self.detok_pool.replicas
 
     @property
     def num_live_requests(self) -> int:
@@ -191,10 +181,10 @@ class Pipeline:
             raise workers_unavailable(f"detok worker RenderTokens failed: {exc.code().name}") from exc
 
     def _pick_detok(self) -> DetokClient:
-        connected = [d for d in self.detoks if d.connected]
-        if not connected:
+        detok = self.detok_pool.pick()
+        if detok is None:
             raise workers_unavailable("no detok worker is connected")
-        return min(connected, key=lambda d: d.num_open_sequences)
+        return detok
 
     def _end(self, request: _LiveRequest) -> None:
         """Forgets a request and stops what is still running of it on both workers."""
@@ -246,9 +236,9 @@ class Pipeline:
 
     def _on_token_frame(self, frame: model_worker_pb2.TokenFrame) -> None:
         """Records every sequence's tokens and forwards them as one DetokenizeFrame per replica."""
-        opens: dict[int, list[detok_worker_pb2.OpenSequence]] = {}
-        tokens: dict[int, list[detok_worker_pb2.SequenceTokenIds]] = {}
-        rows: dict[int, list[ColumnRow]] = {}
+        opens: dict[DetokClient, list[detok_worker_pb2.OpenSequence]] = {}
+        tokens: dict[DetokClient, list[detok_worker_pb2.SequenceTokenIds]] = {}
+        rows: dict[DetokClient, list[ColumnRow]] = {}
         for seq in frame.sequences:
             request = self._live.get(seq.request_id)
             if request is None:
@@ -261,13 +251,13 @@ class Pipeline:
                 # other request's tokens too.
                 logger.exception("request %s: forwarding its tokens failed", request.request_id)
                 self._fail(request, APIError(500, f"the gateway could not forward this request's tokens: {exc!r}"))
-        for index in tokens.keys() | opens.keys() | rows.keys():
-            self.detoks[index].send(opens.get(index, ()), tokens.get(index, ()), rows.get(index, ()))
+        for detok in tokens.keys() | opens.keys() | rows.keys():
+            detok.send(opens.get(detok, ()), tokens.get(detok, ()), rows.get(detok, ()))
 
     def _take_sequence_tokens(self, request: _LiveRequest, seq: model_worker_pb2.SequenceTokens,
-                              opens: dict[int, list[detok_worker_pb2.OpenSequence]],
-                              tokens: dict[int, list[detok_worker_pb2.SequenceTokenIds]],
-                              rows: dict[int, list[ColumnRow]]) -> None:
+                              opens: dict[DetokClient, list[detok_worker_pb2.OpenSequence]],
+                              tokens: dict[DetokClient, list[detok_worker_pb2.SequenceTokenIds]],
+                              rows: dict[DetokClient, list[ColumnRow]]) -> None:
         """One sequence of a TokenFrame: its request's state, and what goes to its detok replica."""
         if (seq.finish_reason == model_worker_pb2.FINISH_REASON_ABORT and 0 <= seq.index < len(request.states)
                 and request.states[seq.index].finished):
@@ -302,7 +292,7 @@ class Pipeline:
             # Its replica started draining (or went) while the request waited for its first
             # token: its sequences open on another one instead.
             self._move_unopened(request)
-        index = request.detok.index
+        detok = request.detok
         renders = self._renders_in_stream(request)
         text_ids = seq.token_ids
         if seq.HasField("stop_token_id"):
@@ -316,11 +306,11 @@ class Pipeline:
         if not state.detok_opened:
             # Opened with its first tokens: a request the model worker refuses never
             # costs the detok worker anything.
-            opens.setdefault(index, []).append(self._open_sequence(request, state, renders))
+            opens.setdefault(detok, []).append(self._open_sequence(request, state, renders))
             state.detok_opened = True
         state.text_ids_sent += text_ids
-        if not renders and request.detok.has_handle(state.request_id):
-            rows.setdefault(index, []).append((state.request_id, text_ids, state.model_finished))
+        if not renders and detok.has_handle(state.request_id):
+            rows.setdefault(detok, []).append((state.request_id, text_ids, state.model_finished))
             return
         entry = detok_worker_pb2.SequenceTokenIds(sequence_id=state.request_id, token_ids=text_ids,
                                                   finished=state.model_finished)
@@ -328,16 +318,16 @@ class Pipeline:
             render_ids = logprob_ids(seq)
             entry.render_token_ids = pack_int32(render_ids)
             state.pending_render_ids.extend(render_ids)
-        tokens.setdefault(index, []).append(entry)
+        tokens.setdefault(detok, []).append(entry)
 
-    def _on_text_delta_frame(self, index: int, frame: detok_worker_pb2.TextDeltaFrame) -> None:
+    def _on_text_delta_frame(self, detok: DetokClient, frame: detok_worker_pb2.TextDeltaFrame) -> None:
         for delta in frame.deltas:
-            self._on_text_delta(index, delta.sequence_id, delta)
+            self._on_text_delta(detok, delta.sequence_id, delta)
         columns = frame.columns
         if columns.handles:
             # Plain text of handled sequences: each entry reads as a TextDelta with text and
             # num_tokens only (not finished, no stop, no error, nothing rendered).
-            names = self.detoks[index].sequence_of_handle
+            names = detok.sequence_of_handle
             text = columns.text
             offset = 0
             for handle, length, num_tokens in zip(unpack_int32(columns.handles).tolist(),
@@ -345,14 +335,14 @@ class Pipeline:
                                                   unpack_int32(columns.num_tokens).tolist(), strict=True):
                 name = names[handle] if 0 < handle < len(names) else None
                 if name is not None:
-                    self._on_text_delta(index, name, detok_worker_pb2.TextDelta(
+                    self._on_text_delta(detok, name, detok_worker_pb2.TextDelta(
                         text=text[offset:offset + length].decode("utf-8"), num_tokens=num_tokens, stop_index=-1))
                 offset += length
 
-    def _on_text_delta(self, index: int, sequence_id: str, delta: detok_worker_pb2.TextDelta) -> None:
+    def _on_text_delta(self, detok: DetokClient, sequence_id: str, delta: detok_worker_pb2.TextDelta) -> None:
         """One sequence's reply: a TextDelta, or a TextColumns entry made into one."""
         found = self._sequences.get(sequence_id)
-        if found is None or found[0].detok.index != index:
+        if found is None or found[0].detok is not detok:
             return
         request, choice = found
         state = request.states[choice]
@@ -440,10 +430,9 @@ class Pipeline:
     def _move_to_other_detok(self, request: _LiveRequest) -> bool:
         """Places the request on the least loaded other detok replica that takes new sequences;
         False if there is none."""
-        others = [d for d in self.detoks if d.connected and d is not request.detok]
-        if not others:
+        moved_to = self.detok_pool.pick(exclude=[request.detok])
+        if moved_to is None:
             return False
-        moved_to = min(others, key=lambda d: d.num_open_sequences)
         request.detok.num_open_sequences -= len(request.states)
         moved_to.num_open_sequences += len(request.states)
         request.detok = moved_to
@@ -490,11 +479,11 @@ class Pipeline:
                     lost.address, len(opens), moved_to.address)
         return True
 
-    def _on_detok_lost(self, index: int, error: Exception) -> None:
+    def _on_detok_lost(self, lost: DetokClient, error: Exception) -> None:
         if self.metrics is not None:
-            self.metrics.detok_rpc_errors.labels(worker=self.detoks[index].address, rpc="Detokenize").inc()
+            self.metrics.detok_rpc_errors.labels(worker=lost.address, rpc="Detokenize").inc()
         for request in list(self._live.values()):
-            if request.detok.index != index:
+            if request.detok is not lost:
                 continue
             if self._reopen_elsewhere(request):
                 continue

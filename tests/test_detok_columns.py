@@ -366,8 +366,8 @@ async def test_detok_client_reuses_handles_only_when_safe() -> None:
     from gateway.detok_client import DetokClient
 
     replies: list[pb.TextDeltaFrame] = []
-    client = DetokClient(0, "127.0.0.1:9", grpc.aio.insecure_channel("127.0.0.1:9"),
-                         lambda _index, frame: replies.append(frame), lambda _index, _error: None)
+    client = DetokClient("127.0.0.1:9", grpc.aio.insecure_channel("127.0.0.1:9"),
+                         lambda _client, frame: replies.append(frame), lambda _client, _error: None)
     opens = [pb.OpenSequence(sequence_id=name) for name in ("a", "b", "c")]
     for open_ in opens:
         client.assign_handle(open_)
@@ -408,8 +408,8 @@ async def test_detok_client_frames_stay_within_their_id_budget() -> None:
 
     from gateway.detok_client import DetokClient
 
-    client = DetokClient(0, "127.0.0.1:9", grpc.aio.insecure_channel("127.0.0.1:9"),
-                         lambda _index, _frame: None, lambda _index, _error: None)
+    client = DetokClient("127.0.0.1:9", grpc.aio.insecure_channel("127.0.0.1:9"),
+                         lambda _client, _frame: None, lambda _client, _error: None)
     client.max_frame_id_bytes = 12  # 3 ids
     handled = [pb.OpenSequence(sequence_id=name) for name in ("r", "s")]
     for open_ in handled:
@@ -453,8 +453,8 @@ async def test_detok_client_falls_back_when_the_worker_ignores_columns() -> None
     from gateway.frame_stream import ResetStream
 
     lost: list[Exception] = []
-    client = DetokClient(0, "127.0.0.1:9", grpc.aio.insecure_channel("127.0.0.1:9"),
-                         lambda _index, _frame: None, lambda _index, error: lost.append(error))
+    client = DetokClient("127.0.0.1:9", grpc.aio.insecure_channel("127.0.0.1:9"),
+                         lambda _client, _frame: None, lambda _client, error: lost.append(error))
     open_ = pb.OpenSequence(sequence_id="a")
     client.assign_handle(open_)
     client.send([open_], (), [("a", pack_int32([5]), False)])

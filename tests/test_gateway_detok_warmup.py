@@ -52,7 +52,7 @@ async def _open_client(servicer: RecordingDetokenizer, tokenizer: common_pb2.Tok
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    client = DetokClient(0, f"127.0.0.1:{port}", channel, lambda index, frame: None, lambda index, error: None,
+    client = DetokClient(f"127.0.0.1:{port}", channel, lambda client, frame: None, lambda client, error: None,
                          warmup_timeout_s)
     client.tokenizer = tokenizer
     await client.stream.start(10.0)
@@ -89,7 +89,7 @@ async def test_a_replica_that_cannot_load_the_tokenizer_is_refused_until_it_can(
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    client = DetokClient(0, f"127.0.0.1:{port}", channel, lambda index, frame: None, lambda index, error: None)
+    client = DetokClient(f"127.0.0.1:{port}", channel, lambda client, frame: None, lambda client, error: None)
     client.tokenizer = TOKENIZER
     client.refusal_recheck_s = 0.2
     try:
@@ -189,8 +189,8 @@ async def test_a_replica_that_stops_answering_frames_is_dropped_until_it_answers
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     lost: list[Exception] = []
-    client = DetokClient(0, f"127.0.0.1:{port}", channel, lambda index, frame: None,
-                         lambda index, error: lost.append(error), warmup_timeout_s=0.3)
+    client = DetokClient(f"127.0.0.1:{port}", channel, lambda client, frame: None,
+                         lambda client, error: lost.append(error), warmup_timeout_s=0.3)
     client.tokenizer = TOKENIZER
     client.stall_timeout_s, client.refusal_recheck_s = 0.5, 0.2
     try:

@@ -28,7 +28,7 @@ import uvicorn
 
 from bench.soak import StreamResult, stream_completion
 from detok_worker.servicer import DetokenizerServicer
-from gateway import model_worker_pool
+from gateway import replica_set
 from gateway.app import create_app
 from gateway.config import Config, dns_name
 from gateway.model_worker_client import ModelWorkerClient
@@ -49,6 +49,7 @@ ABORT_LIMIT_S = 2.0
 # backoff (0.25 s, x1.6) plus the stream's 0.5 s retry and the ModelInfo check.
 RECOVER_LIMIT_S = 6.0
 DNS_ENTRY = "dns:///model-workers.test:50051"
+DETOK_DNS_ENTRY = "dns:///detok-workers.test:50052"
 
 
 class FakeModelWorker(model_worker_pb2_grpc.ModelWorkerServicer):
@@ -148,6 +149,7 @@ class Rig:
     replicas: dict[str, Replica]
     detok_servers: list[grpc.aio.Server] = field(default_factory=list)
     detok_down: list[str] = field(default_factory=list)
+    detok_addresses: list[str] = field(default_factory=list)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -192,10 +194,13 @@ def model_info(tokenizer_dir: Path, **changes) -> model_worker_pb2.ModelInfo:
 @asynccontextmanager
 async def rig(tokenizer_dir: Path, infos: dict[str, model_worker_pb2.ModelInfo] | None = None,
               capacities: dict[str, int] | None = None, num_detok: int = 1,
-              dns: list[str] | None = None, num_detok_down: int = 0) -> AsyncIterator[Rig]:
+              dns: list[str] | None = None, num_detok_down: int = 0,
+              detok_dns: list[str] | None = None) -> AsyncIterator[Rig]:
     """Replicas A and B, detok replicas and the gateway; with `dns`, the gateway is given DNS_ENTRY
-    instead of the two addresses, and `dns` (what the name resolves to) starts as [A]. The gateway
-    also lists `num_detok_down` detok addresses that nothing serves (Rig.detok_down)."""
+    instead of the two addresses, and `dns` (what the name resolves to) starts as [A]; with
+    `detok_dns`, likewise DETOK_DNS_ENTRY instead of the detok addresses (Rig.detok_addresses),
+    starting as the first. The gateway also lists `num_detok_down` detok addresses that nothing
+    serves (Rig.detok_down)."""
     infos = infos or {}
     capacities = capacities or {}
     replicas = {name: Replica(name, f"127.0.0.1:{free_port()}",
@@ -214,8 +219,13 @@ async def rig(tokenizer_dir: Path, infos: dict[str, model_worker_pb2.ModelInfo] 
         dns[:] = [replicas["A"].address]
         model_workers = [DNS_ENTRY]
     detok_down = [f"127.0.0.1:{free_port()}" for _ in range(num_detok_down)]
+    detok_workers = detok_addresses + detok_down
+    if detok_dns is not None:
+        detok_dns[:] = detok_addresses[:1]
+        detok_workers = [DETOK_DNS_ENTRY]
     config = Config(port=port, model_workers=model_workers, model_worker_dns_refresh_s=0.05,
-                    detok_workers=detok_addresses + detok_down, startup_timeout_s=20, log_level="warning")
+                    detok_workers=detok_workers, detok_worker_dns_refresh_s=0.05, startup_timeout_s=20,
+                    log_level="warning")
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     serving = asyncio.create_task(server.serve())
@@ -225,7 +235,7 @@ async def rig(tokenizer_dir: Path, infos: dict[str, model_worker_pb2.ModelInfo] 
                 serving.result()
                 raise AssertionError("the gateway exited at start")
             await asyncio.sleep(0.02)
-        yield Rig(f"http://127.0.0.1:{port}", app, replicas, detok_servers, detok_down)
+        yield Rig(f"http://127.0.0.1:{port}", app, replicas, detok_servers, detok_down, detok_addresses)
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 30)
@@ -512,7 +522,7 @@ async def test_a_dns_name_is_one_replica_per_address_as_pods_come_and_go(
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return sorted(dns)
 
-    monkeypatch.setattr(model_worker_pool, "resolve", lookup)
+    monkeypatch.setattr(replica_set, "resolve", lookup)
     async with rig(tiny_model_dir, dns=dns) as r, httpx.AsyncClient(timeout=30) as client:
         a, b = r.replicas["A"], r.replicas["B"]
         pool = r.pipeline.model_workers
@@ -541,6 +551,66 @@ async def test_a_dns_name_is_one_replica_per_address_as_pods_come_and_go(
 
 
 
+async def test_a_detok_dns_name_is_one_stream_per_address_as_pods_come_and_go(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # gRPC's own resolver put each stream on one address picked at start: a replica added later
+    # got no sequences until a stream reconnected, and 2 streams over 2 replicas shared one half the time.
+    detok_dns: list[str] = []  # what DETOK_DNS_ENTRY resolves to now
+
+    async def lookup(host: str, port: int) -> list[str]:
+        assert (host, port) == ("detok-workers.test", 50052)
+        if not detok_dns:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return sorted(detok_dns)
+
+    monkeypatch.setattr(replica_set, "resolve", lookup)
+    async with rig(tiny_model_dir, num_detok=2, detok_dns=detok_dns) as r, httpx.AsyncClient(timeout=30) as client:
+        first, second = r.detok_addresses
+        pool = r.pipeline.detok_pool
+        assert [d.address for d in pool.replicas] == [first]
+        on_first = await r.open_streams(client, 1)
+        detok_dns.append(second)  # a pod joins: it gets a stream of its own, and the next sequences
+        await wait_for(lambda: [d.connected for d in pool.replicas] == [True, True], 5)
+        client_first, client_second = pool.replicas
+        on_second = await r.open_streams(client, 1)
+        assert [req.detok for req in r.pipeline._live.values()] == [client_first, client_second]
+        detok_dns.remove(first)  # the first leaves while its sequence runs: no new ones go there
+        await wait_for(lambda: client_first not in pool.live, 2)
+        news = await asyncio.gather(*(r.stream(client, 5) for _ in range(3)))
+        assert all(res.complete and served_by(res) and len(res.text) == 5 for res in news), news
+        ready = (await client.get(f"{r.url}/ready")).json()
+        assert ready["detok_workers"] == [second] and ready["down"] == []
+        detok_dns.clear()  # a failed lookup drops nobody
+        await asyncio.sleep(0.2)
+        assert pool.replicas == [client_first, client_second] and pool.live == [client_second]
+        detok_dns.append(second)
+        # The sequence left on the retired replica streams on there to its end.
+        (rid,) = [rid for rid, req in r.pipeline._live.items() if req.detok is client_first]
+        for replica in r.replicas.values():
+            if rid in replica.fake.running:
+                replica.fake.running[rid][1] = 0  # ends at its next step
+        (kept,) = await asyncio.wait_for(asyncio.gather(*on_first), 10)
+        assert kept.complete and served_by(kept) and kept.completion_tokens == len(kept.text) > 5
+        await wait_for(lambda: pool.replicas == [client_second], 2)  # let go once its sequence ended
+        for task in on_second:
+            task.cancel()
+        await asyncio.gather(*on_second, return_exceptions=True)
+
+
+async def test_a_detok_dns_name_listed_once_per_stream_as_before_is_one_entry(caplog) -> None:
+    # Deployments made before the gateway resolved names listed the name once per stream wanted.
+    from gateway.detok_pool import DetokPool
+
+    name, plain = "dns:///detok-workers.test:50052", "127.0.0.1:9"
+    pool = DetokPool(Config(detok_workers=[name, plain, name, plain, name]), lambda *_: None, lambda *_: None)
+    try:
+        assert pool._set.entries == [name, plain, plain]  # a plain address listed twice: two streams, as before
+        assert [d.address for d in pool.replicas] == [plain, plain]
+        assert "lists a dns:/// name more than once" in caplog.text
+    finally:
+        await pool.close()
+
+
 async def test_dns_entries_parse_and_resolve_to_grpc_targets() -> None:
     assert dns_name("dns:///model-workers.test:50051") == ("model-workers.test", 50051)
     assert dns_name("10.0.0.5:50051") is None
@@ -557,7 +627,7 @@ async def test_dns_entries_parse_and_resolve_to_grpc_targets() -> None:
         with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')}: '{bad}'"):
             Config(**{flag: [bad]})
     assert Config(detok_workers=["[::1]:50052", "unix:/tmp/detok.sock", "dns:///detok:50052"]).detok_workers
-    assert "127.0.0.1:50051" in await model_worker_pool.resolve("localhost", 50051)
+    assert "127.0.0.1:50051" in await replica_set.resolve("localhost", 50051)
 
 
 @pytest.mark.slow

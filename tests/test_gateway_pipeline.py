@@ -30,8 +30,7 @@ LENGTH = model_worker_pb2.FINISH_REASON_LENGTH
 @pytest.fixture
 async def pipeline():
     config = Config(model_workers=["127.0.0.1:9"], detok_workers=["127.0.0.1:9"])
-    channels = [grpc.aio.insecure_channel("127.0.0.1:9")]
-    p = Pipeline(config, channels)
+    p = Pipeline(config)
     p.model_info = model_worker_pb2.ModelInfo(tokenizer=common_pb2.TokenizerIdentity(path="/t", sha256="00"))
     p.model = p.model_workers.replicas[0]  # the one replica, which the tests play
     for stream in (p.model.stream, p.detoks[0].stream):
@@ -44,7 +43,7 @@ async def pipeline():
 async def two_detoks():
     """A pipeline with two detok replicas (and its one model worker replica as .model)."""
     config = Config(model_workers=["127.0.0.1:9"], detok_workers=["127.0.0.1:9", "127.0.0.1:10"])
-    p = Pipeline(config, [grpc.aio.insecure_channel(a) for a in config.detok_workers])
+    p = Pipeline(config)
     p.model_info = model_worker_pb2.ModelInfo(tokenizer=common_pb2.TokenizerIdentity(path="/t", sha256="00"))
     p.model = p.model_workers.replicas[0]
     for stream in (p.model.stream, *(d.stream for d in p.detoks)):
@@ -95,9 +94,9 @@ async def test_n_outputs_are_one_request_routed_by_index(pipeline: Pipeline) -> 
     rows = dict(zip(unpack_int32(frame.columns.handles).tolist(), unpack_int32(frame.columns.token_ids).tolist(),
                     strict=True))
     assert rows == {handles[f"{rid}-1"]: 7, handles[f"{rid}-0"]: 5}
-    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(f"{rid}-1", "b")]))
+    pipeline._on_text_delta_frame(pipeline.detoks[0], detok_worker_pb2.TextDeltaFrame(deltas=[text(f"{rid}-1", "b")]))
     # Output 1 hits a stop string: only it is aborted on the model worker; output 0 goes on.
-    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[
+    pipeline._on_text_delta_frame(pipeline.detoks[0], detok_worker_pb2.TextDeltaFrame(deltas=[
         text(f"{rid}-1", "!", finished=True, stop_index=0, num_tokens_to_stop=1)]))
     (abort,) = pipeline.model._take_frame().aborts
     assert (abort.request_id, list(abort.indexes)) == (rid, [1])
@@ -107,7 +106,7 @@ async def test_n_outputs_are_one_request_routed_by_index(pipeline: Pipeline) -> 
     pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[
         tokens(rid, 1, [], model_worker_pb2.FINISH_REASON_ABORT), tokens(rid, 0, [7], LENGTH)]))
     assert pipeline.num_live_requests == 1
-    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(f"{rid}-0", "ac", finished=True)]))
+    pipeline._on_text_delta_frame(pipeline.detoks[0], detok_worker_pb2.TextDeltaFrame(deltas=[text(f"{rid}-0", "ac", finished=True)]))
     await asyncio.wait_for(task, 5)
     assert events == [(1, "b", None), (1, "!", "stop"), (0, "ac", "length")]
     # Every output ended on the model worker: nothing more to abort.
@@ -171,7 +170,7 @@ async def test_losing_the_model_stream_fails_only_requests_it_had_not_finished(p
     pipeline._on_model_lost(pipeline.model, RuntimeError("model worker ended the stream"))
     with pytest.raises(APIError, match="lost the model worker stream"):
         await asyncio.wait_for(cut, 5)
-    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(f"{done_id}-0", "hi", finished=True)]))
+    pipeline._on_text_delta_frame(pipeline.detoks[0], detok_worker_pb2.TextDeltaFrame(deltas=[text(f"{done_id}-0", "hi", finished=True)]))
     await asyncio.wait_for(done, 5)
     assert done_events == [("hi", "length")] and pipeline.num_live_requests == 0
 
@@ -193,7 +192,7 @@ async def test_a_request_that_cannot_be_forwarded_fails_alone(pipeline: Pipeline
     assert abort.request_id == bad_add.request_id
     (opened,) = pipeline.detoks[0]._take_frame().opens
     assert opened.sequence_id == f"{good_add.request_id}-0"
-    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(opened.sequence_id, "x", True)]))
+    pipeline._on_text_delta_frame(pipeline.detoks[0], detok_worker_pb2.TextDeltaFrame(deltas=[text(opened.sequence_id, "x", True)]))
     pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(good_add.request_id, 0, [], LENGTH)]))
     _, event = await asyncio.wait_for(good_first, 5)
     assert event.text == "x"
@@ -216,12 +215,12 @@ async def test_losing_a_detok_replica_moves_its_requests_and_the_client_reads_on
     assert [p._live[a.request_id].detok for a in adds] == [lost, kept, lost]  # least loaded first
     sequence = f"{adds[0].request_id}-0"
     p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[0].request_id, 0, [4])]))
-    p._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "ab", num_tokens=1)]))
+    p._on_text_delta_frame(p.detoks[0], detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "ab", num_tokens=1)]))
     _, event = await asyncio.wait_for(firsts[0], 5)
     assert event.text == "ab" and event.token_ids == [4]
     p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[0].request_id, 0, [5])]))  # unanswered
     lost.stream._connected.clear()
-    p._on_detok_lost(0, ConnectionError("gone"))
+    p._on_detok_lost(p.detoks[0], ConnectionError("gone"))
     assert p._live[adds[0].request_id].detok is kept and p._live[adds[2].request_id].detok is kept
     assert (lost.num_open_sequences, kept.num_open_sequences) == (0, 3)
     reopened_metric = 'tokenwire:detok_sequences_reopened_total{worker="127.0.0.1:10"}'
@@ -233,22 +232,22 @@ async def test_losing_a_detok_replica_moves_its_requests_and_the_client_reads_on
     assert not reopened.columns.finished_handles
     # The new replica's text starts from the first id: the client reads on after "ab".
     after = asyncio.create_task(anext(running))
-    p._on_text_delta_frame(1, detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "a", num_tokens=1)]))
+    p._on_text_delta_frame(p.detoks[1], detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "a", num_tokens=1)]))
     await asyncio.sleep(0)
     assert not after.done()  # all of it the client had
-    p._on_text_delta_frame(1, detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "bc", num_tokens=1)]))
+    p._on_text_delta_frame(p.detoks[1], detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "bc", num_tokens=1)]))
     _, event = await asyncio.wait_for(after, 5)
     assert event.text == "c" and event.token_ids == [5]
     p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[0].request_id, 0, [6], LENGTH)]))
     assert unpack_int32(kept._take_frame().columns.token_ids).tolist() == [6]
-    p._on_text_delta_frame(1, detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "d", True, num_tokens=1)]))
+    p._on_text_delta_frame(p.detoks[1], detok_worker_pb2.TextDeltaFrame(deltas=[text(sequence, "d", True, num_tokens=1)]))
     _, event = await anext(running)
     assert event.text == "d" and event.token_ids == [6] and event.finish_reason == "length"
     # The one still waiting for its first token opens on the other replica with it.
     p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(adds[2].request_id, 0, [5], LENGTH)]))
     (opened,) = kept._take_frame().opens
     assert opened.sequence_id == f"{adds[2].request_id}-0"
-    p._on_text_delta_frame(1, detok_worker_pb2.TextDeltaFrame(deltas=[text(opened.sequence_id, "y", True)]))
+    p._on_text_delta_frame(p.detoks[1], detok_worker_pb2.TextDeltaFrame(deltas=[text(opened.sequence_id, "y", True)]))
     _, event = await asyncio.wait_for(firsts[2], 5)
     assert event.text == "y" and event.finish_reason == "length"
     firsts[1].cancel()
@@ -272,7 +271,7 @@ async def test_a_reopened_sequence_asks_the_new_replica_for_the_renders_it_never
     seq = tokens_with_top_logprob(add.request_id)
     p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[seq]))
     lost.stream._connected.clear()
-    p._on_detok_lost(0, ConnectionError("gone"))
+    p._on_detok_lost(p.detoks[0], ConnectionError("gone"))
     reopened = kept._take_frame()
     (entry,) = reopened.tokens
     assert entry.sequence_id == f"{add.request_id}-0" and not reopened.opens[0].handle
@@ -293,7 +292,7 @@ async def test_losing_the_only_connected_detok_replica_fails_its_open_requests(t
     (add,) = model._take_frame().adds
     p._on_token_frame(model_worker_pb2.TokenFrame(sequences=[tokens(add.request_id, 0, [4])]))
     lost.stream._connected.clear()
-    p._on_detok_lost(0, ConnectionError("gone"))
+    p._on_detok_lost(p.detoks[0], ConnectionError("gone"))
     with pytest.raises(APIError, match="lost the detok worker stream") as info:
         await asyncio.wait_for(first, 5)
     assert info.value.status == 503
@@ -337,7 +336,7 @@ async def test_logprob_tokens_are_rendered_by_the_detok_worker_as_they_stream(pi
     offsets = [0, 1, 6, 7, 8]
     delta.rendered.CopyFrom(detok_worker_pb2.RenderedTokens(text=[p.decode() for p in pieces], data=b"".join(pieces),
                                                             offsets=pack_int32(offsets)))
-    pipeline._on_text_delta_frame(0, detok_worker_pb2.TextDeltaFrame(deltas=[delta]))
+    pipeline._on_text_delta_frame(pipeline.detoks[0], detok_worker_pb2.TextDeltaFrame(deltas=[delta]))
     index, event = await asyncio.wait_for(pending, 5)
     assert index == 0 and event.token_ids == [5, 6]
     await pipeline.renderer.ensure([5, 6, 9])

@@ -90,7 +90,7 @@ async def test_detok_channels_open_together_spread_over_the_addresses(two_server
     # The gateway opens all its --detok-workers channels at once, to one name. Sharing grpc-core's
     # subchannels they all settled on the address that connected first (a headless Service's
     # 2 replicas: 1 connection, 3 starts of 3); each with its own pool they pick apart.
-    from gateway.pipeline import DETOK_CHANNEL_OPTIONS
+    from gateway.detok_pool import DETOK_CHANNEL_OPTIONS
 
     target, _, hits = two_servers
     rounds = []

@@ -137,3 +137,23 @@ async def test_server_name_override_verifies_an_ip_address_by_name(certs: Certs)
             await health_check(address, client_tls(str(certs.ca), "", "", "model-worker.example"))
     finally:
         await server.stop(None)
+
+
+async def test_a_replica_resolved_from_a_dns_name_is_verified_by_that_name(certs: Certs) -> None:
+    # A dns:/// entry resolves to pod IPs, and a pod's certificate names the Service: the channel
+    # to each address checks the name it came from (the cert here names localhost, not the other).
+    from gateway.replica_set import replica_channel
+
+    server, address = await start_server(certs, mutual=False)
+    tls = client_tls(str(certs.ca), "", "", "")
+    try:
+        for tls_name, verified in (("localhost", True), ("model-worker.example", False), ("", True)):
+            async with replica_channel(address, tls, grpc_server.CHANNEL_OPTIONS, tls_name) as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                if verified:
+                    assert (await check).status == health_pb2.HealthCheckResponse.SERVING
+                else:
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        await check
+    finally:
+        await server.stop(None)
