@@ -66,6 +66,33 @@ async def test_long_prompts_are_encoded_off_the_event_loop(tokenizer: PromptToke
     assert await tokenizer.encode_chat_async(chat) == tokenizer.encode_chat(chat)
 
 
+async def test_many_messages_without_content_are_templated_off_the_event_loop(tokenizer: PromptTokenizer) -> None:
+    # Each renders its turn's markup whatever its content: counted by content alone, 450,000 empty
+    # messages were templated inline (8.6 s with every stream stopped; review 97). Tool calls count too.
+    import threading
+
+    from gateway.prompt_tokenizer import INLINE_ENCODE_MAX_CHARS, MESSAGE_MARKUP_CHARS
+
+    threads: list[str] = []
+    original = tokenizer.encode_chat
+
+    def spy(*args, **kwargs) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    tokenizer.encode_chat = spy  # type: ignore[method-assign]
+    many = INLINE_ENCODE_MAX_CHARS // MESSAGE_MARKUP_CHARS + 1
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": "y" * INLINE_ENCODE_MAX_CHARS}}}
+    try:
+        for chat in ([{"role": "user", "content": ""}], [{"role": "user", "content": ""}] * many,
+                     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]):
+            assert await tokenizer.encode_chat_async(chat) == original(chat)
+    finally:
+        del tokenizer.encode_chat
+    me = threading.current_thread().name
+    assert threads[0] == me and threads[1] != me and threads[2] != me, threads
+
+
 def test_tokenizer_with_another_hash_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_model_dir / name, tmp_path / name)
