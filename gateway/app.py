@@ -46,7 +46,9 @@ from gateway.request_mapping import (
     check_context_length,
     check_params_vocab,
     check_token_ids,
+    fitted_to,
     generation_params,
+    requested_max_tokens,
     truncate_prompt,
 )
 from gateway.request_state import GenerationEvent
@@ -287,9 +289,10 @@ async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Seque
     max_tokens 0: the prompt is what is asked for)."""
     # The scoring token of prompt_only is not the client's: the refusal counts the prompt alone,
     # which refuses at the same length (a full context has no room for that token either).
-    max_tokens = None if prompt_only else params.max_tokens
+    max_tokens = None if prompt_only else requested_max_tokens(params)
+    max_model_len = pipeline.model_info.max_model_len
     for prompt_ids in prompts:
-        check_context_length(len(prompt_ids), max_tokens, pipeline.model_info.max_model_len, prompt_param)
+        check_context_length(len(prompt_ids), max_tokens, max_model_len, prompt_param)
     num_prompt_tokens = sum(len(p) for p in prompts)
     num_choices = len(prompts) * params.n
     access = access_record(request.scope)
@@ -297,7 +300,8 @@ async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Seque
     if access is not None:
         timer.started = access.started  # latencies count from the request's arrival, as vLLM's do
         responder.use_request_id(access.request_id)
-    events = _merge_prompts([pipeline.generate(p, params) for p in prompts], params.n)
+    events = _merge_prompts([pipeline.generate(p, fitted_to(params, len(p), max_model_len)) for p in prompts],
+                            params.n)
     if prompt_only:
         events = _without_output(events)  # before the metering: the scoring token is nobody's output
     events = metered(events, timer)

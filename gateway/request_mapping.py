@@ -7,6 +7,7 @@ Everything here is pure: a body and a tokenizer function in, proto messages out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ class GenerationParams:
 
     sampling: model_worker_pb2.SamplingParams = field(default_factory=model_worker_pb2.SamplingParams)
     max_tokens: int | None = None
+    # max_tokens is the model's default (generation_config.json's max_new_tokens), the body set none:
+    # cut to each prompt's room left in the context (fitted_to), never a reason to refuse (vLLM's rule).
+    max_tokens_is_default: bool = False
     n: int = 1
     # 0: same as n. More: candidates generated, the n best returned at the end.
     best_of: int = 0
@@ -153,12 +157,15 @@ def generation_params(body: GenerationRequest, encode_words: EncodeWords,
         # Echoed prompt tokens carry logprobs too, with as many alternatives as the output's.
         prompt_logprobs = max(prompt_logprobs or 0, top_logprobs)
     max_tokens = body.completion_token_limit()
+    is_default = False
     if defaults is not None and defaults.HasField("max_new_tokens"):
         # vLLM's rule: the least of the request's and the model's (and the context's, later).
-        max_tokens = min(defaults.max_new_tokens, max_tokens) if max_tokens is not None else defaults.max_new_tokens
+        is_default = max_tokens is None
+        max_tokens = defaults.max_new_tokens if is_default else min(defaults.max_new_tokens, max_tokens)
     return GenerationParams(
         sampling=sampling_params(body, encode_words, defaults),
         max_tokens=max_tokens,
+        max_tokens_is_default=is_default,
         n=body.n,
         best_of=body.best_of or 0,
         use_beam_search=body.use_beam_search,
@@ -265,6 +272,21 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, max_to
     if len(ids) <= keep:
         return ids
     return ids[:keep] if side == "right" else ids[-keep:]
+
+
+def requested_max_tokens(params: GenerationParams) -> int | None:
+    """The output length the client asked for (None: up to the context), which a prompt must leave
+    room for; the model's default is no request."""
+    return None if params.max_tokens_is_default else params.max_tokens
+
+
+def fitted_to(params: GenerationParams, num_prompt_tokens: int, max_model_len: int) -> GenerationParams:
+    """params for one prompt: the model's default output length cut to the room the prompt leaves
+    (a default of 256 with 31 prompt tokens in a 128-token context: 97, not a 400)."""
+    room = max_model_len - num_prompt_tokens
+    if params.max_tokens_is_default and params.max_tokens is not None and params.max_tokens > room > 0:
+        return dataclasses.replace(params, max_tokens=room)
+    return params
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,

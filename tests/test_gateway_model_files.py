@@ -75,3 +75,27 @@ def test_a_request_leaving_sampling_unset_takes_generation_configs_values(url: s
     assert chat(max_tokens=3)["usage"]["completion_tokens"] == 3
     drawn = {chat(temperature=1.0, seed=seed)["choices"][0]["message"]["content"] for seed in range(3)}
     assert len(drawn) > 1  # the request's own temperature wins
+
+
+def test_the_models_default_output_length_is_cut_to_the_room_the_prompt_leaves(url: str) -> None:
+    # generation_config.json's max_new_tokens (5) is no request: with 3 tokens of room left in the
+    # context (128) it gives 3, as vLLM's; it asked for 130 tokens and got a 400 (review 97). The
+    # body's own max_tokens is still refused past the context, as OpenAI's (completions' default, 16, too).
+    def complete(prompt: list, **extra: object) -> httpx.Response:
+        return httpx.post(f"{url}/v1/completions", timeout=60, json={"prompt": prompt, "ignore_eos": True, **extra})
+
+    answer = complete([28] * 125, max_tokens=None)
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (125, 3, 128), usage
+    answer = complete([[28] * 125, [28] * 10], max_tokens=None)  # each prompt its own room
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 3 + 5
+    for asked in ({"max_tokens": 4}, {}):
+        refused = complete([28] * 125, **asked)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded", refused.text
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hello " * 94}], "ignore_eos": True})
+    assert chat.status_code == 200, chat.text
+    usage = chat.json()["usage"]
+    assert usage["prompt_tokens"] > 123 and usage["prompt_tokens"] + usage["completion_tokens"] == 128, usage
