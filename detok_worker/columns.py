@@ -37,6 +37,9 @@ from tokenwire.packing import INT32, unpack_int32
 from tokenwire.v1 import detok_worker_pb2
 
 MAX_HANDLE = (1 << 20) - 1
+# The stop sets a stream keys (HandleTable._stop_sets, kept while it lives) hold at most this many
+# characters: 4096 sets of 16 stops of 512 characters held 128 MB a stream (review 96).
+MAX_STOP_SET_CHARS = 1 << 20
 # Slot states: a handle never opened on this stream (ids for it are a gateway bug); open; or ended
 # (stopped, failed, finished, closed), whose late ids are the ones the gateway sent before it
 # heard, dropped quietly until the handle is opened again.
@@ -80,6 +83,7 @@ class HandleTable:
         self._tables: list[TokenTable] = []
         self._stop_keys: dict[tuple[str, ...], int] = {}  # stop set -> _stop_key (bounded)
         self._stop_sets: list[tuple[str, ...]] = []
+        self._stop_set_chars = 0  # in _stop_sets, which live as long as the stream
         # Rows of one id each take _decode_one_id_rows; False sends them through the numpy pass
         # too, only so that bench/bench_detok.py can measure both in one process.
         self.one_id_loop = True
@@ -114,9 +118,11 @@ class HandleTable:
         if matcher is not None:
             stops = tuple(matcher.stops)
             key = self._stop_keys.get(stops)
-            if key is None and len(self._stop_sets) < 4096:  # past that, new sets take the masks
+            if key is None and len(self._stop_sets) < 4096 and self._stop_set_chars < MAX_STOP_SET_CHARS:
+                # (past either bound, new sets take the masks)
                 key = self._stop_keys[stops] = len(self._stop_sets)
                 self._stop_sets.append(stops)
+                self._stop_set_chars += sum(map(len, stops))
             self._stop_key[handle] = key if key is not None else -2
         self._held[handle] = False
         self._num_tokens[handle] = self._num_reported[handle] = 0
@@ -242,7 +248,7 @@ class HandleTable:
             if data is None:
                 return False
             key = stop_key.item(handle)
-            if key != -1 and (key == -2 or table.stop_starts(self._stop_sets[key]).item(token_id)):
+            if key != -1 and (key == -2 or table.stop_flag(self._stop_sets[key], token_id)):
                 return False
             texts.append(data)
         if len(set(handles)) != len(handles):
@@ -331,7 +337,6 @@ class HandleTable:
         start_pieces, tail_pending = table.start_pieces, table.tail_pending
         pending, held, stop_key = self._pending, self._held, self._stop_key
         num_tokens, num_reported, sequences = self._num_tokens, self._num_reported, self._sequences
-        stop_starts: dict[int, np.ndarray] = {}  # stop key -> the table's stop_starts for that set
         exact_rows: list[int] = []
         for row, handle, token_id in zip(finished_rows.tolist(), handles[finished_rows].tolist(),
                                          ids[finished_rows].tolist(), strict=True):
@@ -346,10 +351,7 @@ class HandleTable:
                 if key == -2:  # past the bounded stop sets: not worth a matcher check here
                     exact_rows.append(row)
                     continue
-                flags = stop_starts.get(key)
-                if flags is None:
-                    flags = stop_starts[key] = table.stop_starts(self._stop_sets[key])
-                if flags.item(token_id):
+                if table.stop_flag(self._stop_sets[key], token_id):
                     exact_rows.append(row)
                     continue
             sequence = sequences[handle]
@@ -573,7 +575,7 @@ class HandleTable:
         if key != -2 and not np.count_nonzero(keys != key):  # one stop set (or none) in the group
             if key < 0:
                 return np.zeros(g_ids.size, dtype=bool)
-            return table.stop_starts(self._stop_sets[key])[g_ids]
+            return table.stop_flags(self._stop_sets[key], g_ids)
         # Several sets: ids holding a byte a stop of their row starts with (any non-ASCII byte for
         # a stop that starts with such a character).
         stop_low = self._stop_low[g_handles]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 # (text safe to emit, index of the stop string hit or -1, characters of the pushed text up
 # to and including the stop's last one, 0 when no hit). A plain tuple: it is built once per
@@ -16,15 +16,42 @@ from collections.abc import Sequence
 StopCheck = tuple[str, int, int]
 
 
+# Past this many characters in all of a set's proper prefixes, a set tests prefixes with
+# startswith (_PrefixesOf) instead of holding each one: 16 stops of 512 characters made 2.1 M
+# characters of prefixes, 3-9 MB a set, and 128 requests with sets of their own took a detok replica
+# from 132 to 740 MB (review 96). Below it (a 180-character stop) a set lookup stays the cheaper test.
+PREFIX_SET_MAX_CHARS = 1 << 14
+
+
+class _PrefixesOf:
+    """`text in` it: text starts some stop (proper: and is shorter than it), by startswith."""
+
+    __slots__ = ("stops", "proper")
+
+    def __init__(self, stops: tuple[str, ...], proper: bool) -> None:
+        self.stops = stops
+        self.proper = proper
+
+    def __contains__(self, text: str) -> bool:
+        size = len(text) + self.proper
+        return any(len(stop) >= size and stop.startswith(text) for stop in self.stops)
+
+
 @functools.lru_cache(maxsize=256)
-def _stop_set_tables(stops: tuple[str, ...]) -> tuple[int, int, frozenset[str], frozenset[str], re.Pattern[str],
+def _stop_set_tables(stops: tuple[str, ...]) -> tuple[int, int, Container[str], Container[str], re.Pattern[str],
                                                      tuple[str, ...], str]:
     """What a matcher looks up for a stop set, built once per set: a sequence is opened per
     request, and with many streams this was half of the detok worker's cost of an open.
     (longest hold, shortest stop, proper prefixes, prefixes and stops, first-character regex,
     first two characters of each, first characters.)"""
-    prefixes = frozenset(stop[:end] for stop in stops for end in range(1, len(stop)))
-    return (max(map(len, stops)) - 1, min(map(len, stops)), prefixes, prefixes | frozenset(stops),
+    prefixes: Container[str]
+    prefixes_or_stops: Container[str]
+    if sum(len(stop) * (len(stop) - 1) // 2 for stop in stops) <= PREFIX_SET_MAX_CHARS:
+        prefixes = frozenset(stop[:end] for stop in stops for end in range(1, len(stop)))
+        prefixes_or_stops = prefixes | frozenset(stops)
+    else:
+        prefixes, prefixes_or_stops = _PrefixesOf(stops, proper=True), _PrefixesOf(stops, proper=False)
+    return (max(map(len, stops)) - 1, min(map(len, stops)), prefixes, prefixes_or_stops,
             re.compile("[" + "".join(sorted({re.escape(stop[0]) for stop in stops})) + "]"),
             tuple(sorted({stop[:2] for stop in stops})),  # first two chars (or one)
             "".join({stop[0] for stop in stops}))

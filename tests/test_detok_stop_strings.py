@@ -278,3 +278,53 @@ def test_a_long_feed_with_a_stop_in_it_reads_as_one_id_a_frame_and_decodes_linea
     # Linear in the feed, not quadratic: 8.05 million ids decoded before (2.1 s, against 0.03 s one
     # id a frame), 70 thousand now (0.03 s)
     assert decoded_at_once <= 2 * WINDOW_FEED_IDS * len(ids), decoded_at_once
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="abc\n", max_size=40),
+    stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=6), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 40), max_size=12),
+    include=st.booleans(),
+)
+def test_long_stop_sets_test_prefixes_without_holding_them_and_match_the_same(
+        text: str, stops: list[str], cuts: list[int], include: bool) -> None:
+    from detok_worker import stop_strings
+
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    def run() -> list[tuple[str, int, int, str]]:
+        stop_strings._stop_set_tables.cache_clear()
+        matcher = StopStringMatcher(stops, include)
+        steps = [(matcher.push_unchecked(pieces[0]), -1, 0, matcher.held_text)] if pieces else []
+        return steps + [(*matcher.push(piece), matcher.held_text) for piece in pieces[1:]]
+
+    held_as_sets = run()
+    limit = stop_strings.PREFIX_SET_MAX_CHARS
+    stop_strings.PREFIX_SET_MAX_CHARS = 0  # every set tests by startswith
+    try:
+        assert run() == held_as_sets
+    finally:
+        stop_strings.PREFIX_SET_MAX_CHARS = limit
+        stop_strings._stop_set_tables.cache_clear()
+
+
+def test_a_stop_set_of_long_stops_costs_no_memory_for_its_prefixes() -> None:
+    # 16 stops of 512 characters: every proper prefix held was 2.1 M characters, 3-9 MB a set, and
+    # 128 requests with sets of their own took a detok replica from 132 to 740 MB (review 96).
+    import tracemalloc
+
+    sets = [[f"{n:03d}{k:02d}" + "🦙" * 507 for k in range(16)] for n in range(8)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        matchers = [StopStringMatcher(stops) for stops in sets]
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 2 << 20, grown  # the stops themselves: 8 x 16 x 512 x 4 bytes = 256 KiB
+    text = "x" + sets[3][5][:300]
+    out, index, _ = matchers[3].push(text)
+    assert (out, index, matchers[3].held_text) == ("x", -1, sets[3][5][:300])
+    assert matchers[3].push(sets[3][5][300:] + "tail") == ("", 5, 512 - 300)
