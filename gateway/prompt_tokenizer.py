@@ -36,6 +36,12 @@ class PromptTokenizer:
 
     def __init__(self, hf_tokenizer: Any, chat_template: str | None = None) -> None:
         self._hf = hf_tokenizer
+        own = getattr(hf_tokenizer, "chat_template", None)
+        if chat_template and chat_template == (own.get("default") if isinstance(own, dict) else own):
+            # The tokenizer's own: transformers then picks the named template a request needs, as
+            # vLLM does (tool_use when it sends tools; a dir saved with additional_chat_templates/).
+            # Passed by name, the default was rendered for tools too, and the model never saw them.
+            chat_template = None
         self._chat_template = chat_template or None
         self._byte_level = is_byte_level(hf_tokenizer.backend_tokenizer)
         self._token_bytes_cache: dict[int, bytes] = {}

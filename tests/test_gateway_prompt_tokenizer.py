@@ -168,3 +168,31 @@ def test_documents_and_reasoning_effort_reach_the_template(tiny_model_dir: Path)
     assert decode(tokenizer.encode_chat(messages, documents=docs)) == "[Paris: capital of France]q"
     kwargs = {"reasoning_effort": "none", "enable_thinking": False}
     assert decode(tokenizer.encode_chat(messages, template_kwargs=kwargs)) == "<effort none><no think>q"
+
+
+def test_a_models_tool_use_template_renders_requests_that_send_tools(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # transformers saves named templates as additional_chat_templates/*.jinja beside
+    # chat_template.jinja (Hermes, Command-R re-saved), and picks tool_use when tools are sent, as
+    # vLLM does. The gateway passed the published default by name, so the model never saw the tools.
+    from transformers import AutoTokenizer
+
+    from model_worker.__main__ import chat_template_of
+
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    hf.chat_template = {"default": "{% for m in messages %}DEFAULT {{ m['content'] }}\n{% endfor %}",
+                        "tool_use": "{% for t in tools %}TOOL {{ t['function']['name'] }}\n{% endfor %}"
+                                    "{% for m in messages %}TOOLS {{ m['content'] }}\n{% endfor %}"}
+    hf.save_pretrained(tmp_path)
+    assert (tmp_path / "additional_chat_templates" / "tool_use.jinja").is_file()
+    tokenizer = PromptTokenizer.load(tokenizer_identity(tmp_path), chat_template_of(tmp_path))
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+    def rendered(**kwargs: object) -> str:
+        return tokenizer.decode(tokenizer.encode_chat(messages, add_generation_prompt=False, **kwargs))
+
+    assert rendered() == "DEFAULT hi\n"
+    assert rendered(tools=tools) == "TOOL get_weather\nTOOLS hi\n"
+    # A template the model worker publishes that is not the tokenizer's own is still the one used.
+    other = PromptTokenizer.load(tokenizer_identity(tmp_path), "{% for m in messages %}OTHER {{ m['content'] }}{% endfor %}")
+    assert other.decode(other.encode_chat(messages, add_generation_prompt=False, tools=tools)) == "OTHER hi"
