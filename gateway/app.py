@@ -214,7 +214,7 @@ def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
         # encode inline, held the event loop 3.3 s.
         size = sum(len(p) for p in prompts)
         echoes = await off_loop_if_large(size, INLINE_ENCODE_MAX_CHARS, _prompt_echoes, prompts, body, tokenizer,
-                                         pipeline.model_info.vocab_size, pipeline.model_info.max_model_len)
+                                         pipeline.prompt_vocab_size, pipeline.model_info.max_model_len)
         model = body.model or request.app.state.served_model_name
         responder = CompletionResponder(model, speller_for(body, pipeline), body.logprobs is not None, echoes,
                                         n=body.n, echo=body.echo, include_usage=body.include_usage,

@@ -108,14 +108,14 @@ def ops_router(error_responses: dict[int | str, dict[str, Any]]) -> APIRouter:
 
         def answer() -> str:
             return TokenizeResponse(count=len(ids), max_model_len=pipeline.model_info.max_model_len, tokens=ids,
-                                    token_strs=[tokenizer.token_text(t) for t in ids] if body.return_token_strs
+                                    token_strs=tokenizer.vocabulary_tokens(ids) if body.return_token_strs
                                     else None).model_dump_json()
         return _json(await off_loop_if_large(len(ids), INLINE_ANSWER_MAX_TOKENS, answer))
 
     @router.post("/detokenize", responses=error_responses)
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         pipeline = pipeline_for(request, body.model)
-        check_token_ids(body.tokens, pipeline.model_info.vocab_size, param="tokens")
+        check_token_ids(body.tokens, pipeline.prompt_vocab_size, param="tokens")
         tokenizer = tokenizer_of(pipeline)
         return _json(await off_loop_if_large(
             len(body.tokens), INLINE_ANSWER_MAX_TOKENS,

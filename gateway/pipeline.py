@@ -119,6 +119,12 @@ class Pipeline:
         return self.model_workers.any_connected and self.detok_pool.pick() is not None
 
     @property
+    def prompt_vocab_size(self) -> int:
+        """Prompt ids must be below it: the model's and the tokenizer's ids (vLLM's check)."""
+        span = self.tokenizer.id_span if self.tokenizer is not None else 0
+        return min(self.model_info.vocab_size, span) if span else self.model_info.vocab_size
+
+    @property
     def detoks(self) -> list[DetokClient]:
         """Every detok replica (retired ones included, while sequences are open there)."""
         return self.detok_pool.replicas

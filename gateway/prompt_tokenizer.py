@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from gateway.errors import invalid_request
 from tokenwire.byte_level import is_byte_level, token_piece_bytes, unicode_to_bytes
-from tokenwire.tokenizer_files import verified_tokenizer_json
+from tokenwire.tokenizer_files import id_span, verified_tokenizer_json
 from tokenwire.v1 import common_pb2
 
 # Prompts longer than this many characters are tokenized on a worker thread: the tokenizer releases
@@ -44,6 +44,9 @@ class PromptTokenizer:
             chat_template = None
         self._chat_template = chat_template or None
         self._byte_level = is_byte_level(hf_tokenizer.backend_tokenizer)
+        # One past its largest id: a prompt's ids beyond it (a padded embedding's rows) no
+        # tokenizer can spell, and vLLM refuses them as out of vocabulary.
+        self.id_span = id_span(hf_tokenizer.backend_tokenizer)
         self._token_bytes_cache: dict[int, bytes] = {}
         self._generation_prompts: dict[str, str] = {}  # generation_prompt's, by template kwargs
 
@@ -163,6 +166,11 @@ class PromptTokenizer:
             raw = self._hf.decode([token_id]).encode()
         self._token_bytes_cache[token_id] = raw
         return raw
+
+    def vocabulary_tokens(self, token_ids: list[int]) -> list[str]:
+        """The ids' tokens as the vocabulary spells them ("Ġworld" in a byte-level one):
+        /tokenize's token_strs, vLLM's convert_ids_to_tokens, which a client can map back to ids."""
+        return self._hf.convert_ids_to_tokens(token_ids)
 
     def token_text(self, token_id: int) -> str:
         """The token as logprobs show it: its text, or for a token that is only part of a UTF-8

@@ -2,7 +2,9 @@
 - a tokenizer that adds a BOS (Llama's, Mistral's): /v1/completions' add_special_tokens (vLLM's)
   leaves it out for a prompt that already holds one, as /tokenize does;
 - generation_config.json's sampling fields: the defaults of a request that leaves them unset
-  (vLLM's --generation-config auto)."""
+  (vLLM's --generation-config auto);
+- an embedding padded past the tokenizer's ids (Qwen2.5's 151936 rows for 151665 tokens): prompt
+  ids past the tokenizer's are out of vocabulary, as in vLLM."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tests.conftest import tiny_stack
 pytestmark = pytest.mark.slow
 
 BOS = 1  # SmolLM2's <|im_start|>, made the BOS here
+TOKENIZER_IDS = 49152  # SmolLM2's; the model's embedding here has 128 rows more
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +36,8 @@ def url(tiny_model_dir: Path, tmp_path_factory) -> str:
     tokenizer.save(str(model_dir / "tokenizer.json"))
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|im_start|>"}))
+    config_json = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config_json, "vocab_size": TOKENIZER_IDS + 128}))
     generation = json.loads((model_dir / "generation_config.json").read_text())
     (model_dir / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.0,
                                                                   "max_new_tokens": 5}))
@@ -99,3 +104,17 @@ def test_the_models_default_output_length_is_cut_to_the_room_the_prompt_leaves(u
     assert chat.status_code == 200, chat.text
     usage = chat.json()["usage"]
     assert usage["prompt_tokens"] > 123 and usage["prompt_tokens"] + usage["completion_tokens"] == 128, usage
+
+
+def test_prompt_ids_past_the_tokenizers_are_out_of_vocabulary_though_the_embedding_has_them(url: str) -> None:
+    # They generated (and echo failed in the detok worker; /detokenize dropped them): review 97.
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{url}{path}", json=body, timeout=60)
+
+    for path, body, param in (("/v1/completions", {"prompt": [28120, TOKENIZER_IDS + 48], "max_tokens": 2}, "prompt"),
+                              ("/detokenize", {"tokens": [28120, TOKENIZER_IDS]}, "tokens")):
+        refused = post(path, body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        assert f"[0, {TOKENIZER_IDS})" in refused.json()["error"]["message"]
+    assert post("/v1/completions", {"prompt": [28120, TOKENIZER_IDS - 1], "max_tokens": 2}).status_code == 200
+    assert post("/detokenize", {"tokens": [28120, TOKENIZER_IDS - 1]}).status_code == 200
