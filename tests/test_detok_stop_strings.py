@@ -328,3 +328,41 @@ def test_a_stop_set_of_long_stops_costs_no_memory_for_its_prefixes() -> None:
     out, index, _ = matchers[3].push(text)
     assert (out, index, matchers[3].held_text) == ("x", -1, sets[3][5][:300])
     assert matchers[3].push(sets[3][5][300:] + "tail") == ("", 5, 512 - 300)
+
+
+def test_a_stop_after_a_long_run_of_skipped_ids_is_accounted_without_decoding_them(tmp_path, monkeypatch) -> None:
+    # A window-detokenized tokenizer holds every id since the last text: 10,000 skipped specials (a
+    # degenerate <unk> run) were decoded one more at a time when a stop then completed, 2 s of one
+    # frame (review 96). They decode to nothing: the same count, from the window without them.
+    from detok_worker.incremental import WindowDetokenizer
+    from detok_worker.stream import DetokenizeStream
+    from tests.detok_tokenizers import llama2_style
+    from tokenwire.packing import pack_int32
+    from tokenwire.tokenizer_files import tokenizer_identity
+    from tokenwire.v1 import detok_worker_pb2 as pb
+
+    tokenizer = llama2_style()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    identity = tokenizer_identity(tmp_path)
+    unk, run = tokenizer.token_to_id("<unk>"), 2000
+    fox = tokenizer.encode("The quick brown fox", add_special_tokens=False).ids
+    decoded = [0]
+    real_decode = WindowDetokenizer._decode
+
+    def counted_decode(self, window: list[int]) -> str:
+        decoded[0] += len(window)
+        return real_decode(self, window)
+
+    monkeypatch.setattr(WindowDetokenizer, "_decode", counted_decode)
+    stream = DetokenizeStream()
+    stream.apply(pb.DetokenizeFrame(opens=[pb.OpenSequence(sequence_id="s", tokenizer=identity, stop=["fox"],
+                                                           skip_special_tokens=True,
+                                                           prompt_tail_ids=tokenizer.encode("Hello there").ids)]))
+    for _ in range(run // 100):
+        stream.apply(pb.DetokenizeFrame(tokens=[pb.SequenceTokenIds(sequence_id="s", token_ids=pack_int32([unk] * 100))]))
+    decoded[0] = 0
+    (delta,) = stream.apply(pb.DetokenizeFrame(tokens=[pb.SequenceTokenIds(sequence_id="s",
+                                                                             token_ids=pack_int32(fox))])).deltas
+    assert (delta.text, delta.finished, delta.stop_index) == (" The quick brown ", True, 0)
+    assert delta.num_tokens_to_stop == run + len(fox)  # "fox" is the last id
+    assert decoded[0] < 10 * run, decoded[0]  # one decode of the held window, not one per held id
