@@ -318,16 +318,23 @@ class EngineLoop:
     # not in the engine.
 
     def _compile_then_add(self, outbox: StreamOutbox, seq_id: int, request: NewRequest) -> None:
-        problem = None
+        failure = None
         if self.grammar_compiler is None:
-            problem = ("structured output needs the model's tokenizer.json, which this worker does not have "
-                       "or could not read (see its start-up log)")
+            failure = RequestFailure(request.request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                     "structured output needs the model's tokenizer.json, which this worker does not "
+                                     "have or could not read (see its start-up log)", "structured_output")
         elif request.use_beam_search:
-            problem = "structured output cannot be combined with beam search"
-        if problem is not None:
+            failure = RequestFailure(request.request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                     "structured output cannot be combined with beam search", "structured_output")
+        elif len(self._compiling) >= self.engine.max_waiting_requests:
+            # Requests waiting for their grammars count against the waiting room too: the engine
+            # counts a request only once it is added, and compiles (each up to seconds) queued without bound.
+            failure = RequestFailure(request.request_id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"{len(self._compiling)} requests are already waiting for their grammars to "
+                                     "compile; try again later")
+        if failure is not None:
             outbox.live.pop(request.request_id, None)
-            outbox.queue.put_nowait(RequestFailure(request.request_id, grpc.StatusCode.INVALID_ARGUMENT, problem,
-                                                   "structured_output"))
+            outbox.queue.put_nowait(failure)
             return
         self._compiling[seq_id] = (outbox, request)
         future = self.grammar_compiler.submit(request.constraint)

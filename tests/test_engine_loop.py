@@ -33,6 +33,7 @@ class ScriptedEngine:
 
     def __init__(self, step_s: float = 0.0) -> None:
         self.step_s = step_s
+        self.max_waiting_requests = 1024
         self.live: dict[int, list[int]] = {}  # seq_id -> [tokens left, tokens made]
         self.steps = 0
         self.fail_next_step = False
@@ -385,6 +386,30 @@ async def test_abort_while_compiling_ends_once_and_never_runs(with_failure: bool
         await asyncio.sleep(0.05)
         assert outbox.queue.empty() and not outbox.live
         assert engine.steps == 0 and not engine.live  # it never reached the engine
+    finally:
+        await loop.stop()
+
+
+async def test_requests_waiting_for_their_grammars_count_against_the_waiting_room():
+    # The engine counts a request once it is added: compiles (each up to seconds) queued without bound.
+    engine = ScriptedEngine(step_s=0.001)
+    engine.max_waiting_requests = 2
+    compiler = ControlledCompiler()
+    loop = EngineLoop(engine, compiler)
+    loop.start()
+    try:
+        outbox = StreamOutbox()
+        for name in ("a", "b", "c"):
+            request = new_request(name, 2)
+            request.constraint = Constraint("regex", "a+")
+            loop.add(outbox, request)
+        [refused] = (await collect(outbox, {"c"}))["c"]
+        assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting for their grammars" in refused.message
+        assert len(compiler.futures) == 2 and "c" not in outbox.live
+        for future in compiler.futures:
+            future.set_result(object())
+        items = await collect(outbox, {"a", "b"})
+        assert [items[name][-1].finish_reason for name in ("a", "b")] == [FinishReason.LENGTH] * 2
     finally:
         await loop.stop()
 
