@@ -48,7 +48,6 @@ from gateway.request_mapping import (
     check_token_ids,
     fitted_to,
     generation_params,
-    requested_max_tokens,
     truncate_prompt,
 )
 from gateway.request_state import GenerationEvent
@@ -289,7 +288,7 @@ async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Seque
     max_tokens 0: the prompt is what is asked for)."""
     # The scoring token of prompt_only is not the client's: the refusal counts the prompt alone,
     # which refuses at the same length (a full context has no room for that token either).
-    max_tokens = None if prompt_only else requested_max_tokens(params)
+    max_tokens = None if prompt_only else params.max_tokens
     max_model_len = pipeline.model_info.max_model_len
     for prompt_ids in prompts:
         check_context_length(len(prompt_ids), max_tokens, max_model_len, prompt_param)

@@ -55,6 +55,7 @@ class DetokClient:
         self.address = address
         self.channel = channel
         self.num_open_sequences = 0  # kept by the pipeline, for least-loaded placement
+        self.num_renders = 0  # RenderTokens calls in flight (a retired replica closes without any)
         self._stub = detok_worker_pb2_grpc.DetokenizerStub(channel)
         self._opens: dict[str, detok_worker_pb2.OpenSequence] = {}
         self._tokens: dict[str, detok_worker_pb2.SequenceTokenIds] = {}
@@ -160,7 +161,11 @@ class DetokClient:
     async def render_tokens(self, request: detok_worker_pb2.RenderTokensRequest,
                             timeout_s: float = 10.0) -> detok_worker_pb2.RenderedTokens:
         """Token strings and bytes for logprobs (prompt tokens, echo); raises grpc.aio.AioRpcError."""
-        return await self._stub.RenderTokens(request, timeout=timeout_s)
+        self.num_renders += 1
+        try:
+            return await self._stub.RenderTokens(request, timeout=timeout_s)
+        finally:
+            self.num_renders -= 1
 
     def close_sequence(self, sequence_id: str) -> None:
         handle = self._handles.get(sequence_id)

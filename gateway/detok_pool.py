@@ -42,7 +42,7 @@ class DetokPool:
             logger.warning("--detok-workers lists a dns:/// name more than once: each of its addresses "
                            "gets one stream whatever the count")
         self._set = ReplicaSet("detok worker", entries, config.detok_worker_dns_refresh_s, self._new,
-                               self._launch, lambda r: r.num_open_sequences == 0 and not r.has_queued, _close)
+                               self._launch, _idle, _close)
 
     @property
     def replicas(self) -> list[DetokClient]:
@@ -77,6 +77,12 @@ class DetokPool:
     def _launch(self, replica: DetokClient) -> None:
         replica.tokenizer = self.tokenizer
         replica.stream.launch()
+
+
+def _idle(replica: DetokClient) -> bool:
+    """Nothing of it is open: its sequences (echo's RenderTokens come after a sequence ends, and
+    closing the channel under one failed its request with a bare 500; review 99)."""
+    return replica.num_open_sequences == 0 and not replica.has_queued and replica.num_renders == 0
 
 
 async def _close(replica: DetokClient) -> None:

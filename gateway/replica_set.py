@@ -71,8 +71,9 @@ class ReplicaSet(Generic[R]):
         self.replicas: list[R] = []
         # Gone from DNS: no new work; closed once what was placed there ends.
         self.retired: set[R] = set()
-        # The entry each replica came from (its own address, or its dns:/// name).
-        self._origin: dict[R, str] = {}
+        # The entries that list each replica now (its own address, or dns:/// names that resolve
+        # to it): retired once none does.
+        self._origins: dict[R, set[str]] = {}
         self._address: dict[R, str] = {}
         self.started = False
         self._refresh_task: asyncio.Task[None] | None = None
@@ -112,7 +113,7 @@ class ReplicaSet(Generic[R]):
     def _add(self, address: str, origin: str, tls_name: str) -> R:
         replica = self._new(address, tls_name)
         self.replicas.append(replica)
-        self._origin[replica] = origin
+        self._origins[replica] = {origin}
         self._address[replica] = address
         return replica
 
@@ -120,7 +121,7 @@ class ReplicaSet(Generic[R]):
         await self._close(replica)
         self.replicas.remove(replica)
         self.retired.discard(replica)
-        self._origin.pop(replica, None)
+        self._origins.pop(replica, None)
         self._address.pop(replica, None)
 
     async def resolve_all(self) -> None:
@@ -144,13 +145,14 @@ class ReplicaSet(Generic[R]):
                     replica = self._add(address, entry, host)
                     if self.started:
                         self._launch(replica)
-                elif replica in self.retired:
-                    self.retired.discard(replica)  # back in DNS before its work ended
-            gone = [r for r in self.replicas if self._origin[r] == entry and self._address[r] not in addresses
-                    and r not in self.retired]
-            for replica in gone:
-                logger.info("%s %s leaves (no longer in %s)", self.kind, self._address[replica], entry)
-                self.retired.add(replica)
+                    continue
+                self._origins[replica].add(entry)
+                self.retired.discard(replica)  # back in DNS before its work ended
+            for replica in [r for r in self.replicas if entry in self._origins[r] and self._address[r] not in addresses]:
+                self._origins[replica].discard(entry)
+                if not self._origins[replica]:  # another name (or its own address) may still list it
+                    logger.info("%s %s leaves (no longer in %s)", self.kind, self._address[replica], entry)
+                    self.retired.add(replica)
 
     async def _refresh_loop(self) -> None:
         while True:

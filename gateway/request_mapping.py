@@ -33,10 +33,12 @@ class GenerationParams:
     """What one prompt asks of the workers, independent of the OpenAI endpoint it came from."""
 
     sampling: model_worker_pb2.SamplingParams = field(default_factory=model_worker_pb2.SamplingParams)
+    # The body's own output limit (None: up to the context), which a prompt must leave room for.
     max_tokens: int | None = None
-    # max_tokens is the model's default (generation_config.json's max_new_tokens), the body set none:
-    # cut to each prompt's room left in the context (fitted_to), never a reason to refuse (vLLM's rule).
-    max_tokens_is_default: bool = False
+    # generation_config.json's max_new_tokens (None: none): the least of the two bounds the output
+    # (output_limit); where the body set none, it is cut to each prompt's room left in the context
+    # (fitted_to), never a reason to refuse (vLLM's rule).
+    model_max_tokens: int | None = None
     n: int = 1
     # 0: same as n. More: candidates generated, the n best returned at the end.
     best_of: int = 0
@@ -156,16 +158,12 @@ def generation_params(body: GenerationRequest, encode_words: EncodeWords,
     if echo and logprobs:
         # Echoed prompt tokens carry logprobs too, with as many alternatives as the output's.
         prompt_logprobs = max(prompt_logprobs or 0, top_logprobs)
-    max_tokens = body.completion_token_limit()
-    is_default = False
-    if defaults is not None and defaults.HasField("max_new_tokens"):
-        # vLLM's rule: the least of the request's and the model's (and the context's, later).
-        is_default = max_tokens is None
-        max_tokens = defaults.max_new_tokens if is_default else min(defaults.max_new_tokens, max_tokens)
+    model_max_tokens = defaults.max_new_tokens if defaults is not None and defaults.HasField("max_new_tokens") \
+        else None
     return GenerationParams(
         sampling=sampling_params(body, encode_words, defaults),
-        max_tokens=max_tokens,
-        max_tokens_is_default=is_default,
+        max_tokens=body.completion_token_limit(),
+        model_max_tokens=model_max_tokens,
         n=body.n,
         best_of=body.best_of or 0,
         use_beam_search=body.use_beam_search,
@@ -274,19 +272,20 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, max_to
     return ids[:keep] if side == "right" else ids[-keep:]
 
 
-def requested_max_tokens(params: GenerationParams) -> int | None:
-    """The output length the client asked for (None: up to the context), which a prompt must leave
-    room for; the model's default is no request."""
-    return None if params.max_tokens_is_default else params.max_tokens
-
-
 def fitted_to(params: GenerationParams, num_prompt_tokens: int, max_model_len: int) -> GenerationParams:
     """params for one prompt: the model's default output length cut to the room the prompt leaves
     (a default of 256 with 31 prompt tokens in a 128-token context: 97, not a 400)."""
     room = max_model_len - num_prompt_tokens
-    if params.max_tokens_is_default and params.max_tokens is not None and params.max_tokens > room > 0:
-        return dataclasses.replace(params, max_tokens=room)
+    if params.max_tokens is None and params.model_max_tokens is not None and params.model_max_tokens > room > 0:
+        return dataclasses.replace(params, model_max_tokens=room)
     return params
+
+
+def output_limit(params: GenerationParams) -> int | None:
+    """The most tokens an output may have (None: up to the context): vLLM's least of the request's
+    and the model's (and the context's, which the model worker applies)."""
+    limits = [n for n in (params.max_tokens, params.model_max_tokens) if n is not None]
+    return min(limits) if limits else None
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
@@ -303,7 +302,7 @@ def add_request(request_id: str, prompt_token_ids: Sequence[int],
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         sampling=params.sampling,
-        max_tokens=params.max_tokens or 0,  # 0: up to the context length
+        max_tokens=output_limit(params) or 0,  # 0: up to the context length
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,

@@ -96,9 +96,12 @@ def test_the_models_default_output_length_is_cut_to_the_room_the_prompt_leaves(u
     answer = complete([[28] * 125, [28] * 10], max_tokens=None)  # each prompt its own room
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 3 + 5
-    for asked in ({"max_tokens": 4}, {}):
-        refused = complete([28] * 125, **asked)
+    for prompt_len, asked in ((125, {"max_tokens": 4}), (125, {}), (123, {"max_tokens": 100})):
+        # 123 + 100: the body's 100 is checked, not the least of it and the default (5), as vLLM's
+        refused = complete([28] * prompt_len, **asked)
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded", refused.text
+        assert f"{asked.get('max_tokens', 16)} in the completion" in refused.json()["error"]["message"], refused.text
+    assert complete([28] * 123, max_tokens=5).json()["usage"]["completion_tokens"] == 5
     chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "hello " * 94}], "ignore_eos": True})
     assert chat.status_code == 200, chat.text

@@ -597,6 +597,78 @@ async def test_a_detok_dns_name_is_one_stream_per_address_as_pods_come_and_go(
         await asyncio.gather(*on_second, return_exceptions=True)
 
 
+async def test_a_detok_replica_leaving_dns_is_let_go_after_its_render_calls_end(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Echo's RenderTokens come after a request's sequences ended: a replica with none open was
+    # closed under the call, and the request failed with a bare 500 (review 99).
+    detok_dns: list[str] = []
+
+    async def lookup(host: str, port: int) -> list[str]:
+        return sorted(detok_dns)
+
+    real_render = DetokenizerServicer.RenderTokens
+    rendering = asyncio.Event()
+
+    async def slow_render(self, request, context):
+        if slow:  # not the warm-ups
+            rendering.set()
+            await asyncio.sleep(0.5)
+        return await real_render(self, request, context)
+
+    slow = False
+    monkeypatch.setattr(replica_set, "resolve", lookup)
+    monkeypatch.setattr(DetokenizerServicer, "RenderTokens", slow_render)  # before the servers bind it
+    async with rig(tiny_model_dir, num_detok=2, detok_dns=detok_dns) as r:
+        pool = r.pipeline.detok_pool
+        detok_dns[:] = r.detok_addresses
+        await wait_for(lambda: len(pool.replicas) == 2 and all(d.connected for d in pool.replicas), 5)
+        slow = True
+        render = asyncio.create_task(r.pipeline._render_tokens([28120, 905]))
+        await asyncio.wait_for(rendering.wait(), 5)
+        (busy,) = [d for d in pool.replicas if d.num_renders]
+        detok_dns.remove(busy.address)
+        await wait_for(lambda: busy not in pool.live, 2)
+        await asyncio.sleep(0.2)  # refreshes every 0.05 s: it stays while the call runs
+        assert busy in pool.replicas
+        rendered = await asyncio.wait_for(render, 5)
+        assert len(rendered.text) == 2
+        await wait_for(lambda: busy not in pool.replicas, 2)
+
+
+async def test_a_replica_two_dns_names_list_stays_while_either_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # It was retired when the name it joined from dropped it, though the other listed it, then
+    # closed and added again as a new connection (review 99).
+    from gateway.replica_set import ReplicaSet
+
+    @dataclass(eq=False)
+    class Client:
+        address: str
+
+    names = {"a.test": [], "b.test": ["10.0.0.1:5"]}
+
+    async def lookup(host: str, port: int) -> list[str]:
+        return sorted(names[host])
+
+    async def close(replica: Client) -> None:
+        closed.append(replica.address)
+
+    monkeypatch.setattr(replica_set, "resolve", lookup)
+    closed: list[str] = []
+    replicas = ReplicaSet("detok worker", ["dns:///a.test:5", "dns:///b.test:5", "10.0.0.2:5"], 60,
+                          lambda address, _tls_name: Client(address), lambda _r: None, lambda _r: True, close)
+    await replicas.resolve_all()
+    assert [r.address for r in replicas.replicas] == ["10.0.0.2:5", "10.0.0.1:5"]
+    first = replicas.replicas[1]
+    names["a.test"], names["b.test"] = ["10.0.0.1:5", "10.0.0.2:5"], []
+    await replicas.resolve_all()
+    assert replicas.replicas == [replicas.replicas[0], first] and not replicas.retired
+    names["a.test"] = []  # no name lists 10.0.0.1 now; 10.0.0.2 stays, listed as an address of its own
+    await replicas.resolve_all()
+    assert [r.address for r in replicas.live] == ["10.0.0.2:5"] and replicas.retired == {first}
+    await replicas.close()
+    assert sorted(closed) == ["10.0.0.1:5", "10.0.0.2:5"]
+
+
 async def test_a_detok_dns_name_listed_once_per_stream_as_before_is_one_entry(caplog) -> None:
     # Deployments made before the gateway resolved names listed the name once per stream wanted.
     from gateway.detok_pool import DetokPool

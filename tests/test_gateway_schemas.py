@@ -29,6 +29,7 @@ from gateway.request_mapping import (
     check_token_ids,
     generation_params,
     open_sequence,
+    output_limit,
     truncate_prompt,
 )
 from tokenwire.v1 import common_pb2, model_worker_pb2
@@ -489,17 +490,18 @@ def test_unset_sampling_fields_take_the_models_defaults() -> None:
     s = unset.sampling
     assert (round(s.temperature, 4), round(s.top_p, 4), s.top_k, round(s.repetition_penalty, 4), s.min_p) == (
         0.7, 0.8, 20, 1.05, 0.0)
-    assert unset.max_tokens == 64
+    assert (unset.max_tokens, output_limit(unset)) == (None, 64)
     mine = generation_params(chat(temperature=0, top_p=1.0, top_k=-1, repetition_penalty=1.0, min_p=0.1,
                                   max_tokens=100), _no_words, defaults)
     s = mine.sampling
     assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, round(s.min_p, 4)) == (0.0, 1.0, 0, 1.0, 0.1)
-    assert mine.max_tokens == 64  # the least of the two, as vLLM takes it
-    assert generation_params(chat(max_tokens=8), _no_words, defaults).max_tokens == 8
+    # The least of the two bounds the output, as vLLM takes it; the body's own is what the context checks.
+    assert (mine.max_tokens, output_limit(mine)) == (100, 64)
+    assert output_limit(generation_params(chat(max_tokens=8), _no_words, defaults)) == 8
     beams = generation_params(chat(use_beam_search=True, n=2), _no_words, defaults)
     assert (beams.sampling.temperature, beams.sampling.top_p, beams.sampling.top_k) == (0.0, 1.0, 0)
     plain = generation_params(chat(), _no_words, model_worker_pb2.GenerationDefaults())
-    assert (plain.sampling.temperature, plain.sampling.top_p, plain.max_tokens) == (1.0, 1.0, None)
+    assert (plain.sampling.temperature, plain.sampling.top_p, output_limit(plain)) == (1.0, 1.0, None)
 
 
 def _no_words(text: str) -> list[int]:
