@@ -314,8 +314,8 @@ class _GenerationRequest(_TopLevel):
             raise ParamError("allowed_token_ids", "allowed_token_ids must be >= 0")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ParamError("allowed_token_ids", "allowed_token_ids must not be empty (leave it out to allow every token)")
-        if any(w == "" for w in self.bad_words or []):
-            raise ParamError("bad_words", "bad_words must not contain empty strings")
+        if any(not w.strip() for w in self.bad_words or []):
+            raise ParamError("bad_words", "bad_words must not contain empty (or only whitespace) strings")
         for key, bias in (self.logit_bias or {}).items():
             if not (key.strip().isascii() and key.strip().isdigit() and int(key) <= INT32_MAX):
                 raise ParamError("logit_bias", f"logit_bias keys must be token ids, not {key!r}")

@@ -90,7 +90,7 @@ def sampling_params(body: GenerationRequest, encode_words: EncodeWords,
         min_tokens=body.min_tokens,
         allowed_token_ids=body.allowed_token_ids or (),
     )
-    if body.seed is not None:
+    if body.seed is not None and body.seed != -1:  # -1: no seed, as vLLM's (clients send it for "random")
         sampling.seed = body.seed % _UINT64  # proto seed is uint64; OpenAI's may be negative
     for token_id, bias in (body.logit_bias or {}).items():
         sampling.logit_bias[int(token_id)] = bias
@@ -100,11 +100,12 @@ def sampling_params(body: GenerationRequest, encode_words: EncodeWords,
 
 
 def bad_word_sequences(words: Sequence[str], encode_words: EncodeWords) -> list[list[int]]:
-    """Each bad word as token ids, alone and after a space (vLLM's rule: in BPE vocabularies
-    " word" at a word boundary is a different token run from "word")."""
+    """Each bad word, its leading spaces stripped, as token ids alone and after a space (vLLM's
+    rule: in BPE vocabularies " word" at a word boundary is a different token run from "word")."""
     sequences: list[list[int]] = []
     for word in words:
-        for variant in (word, word if word.startswith(" ") else " " + word):
+        word = word.lstrip()  # the request refuses one of only spaces
+        for variant in (word, " " + word):
             ids = encode_words(variant)
             if ids and ids not in sequences:
                 sequences.append(ids)

@@ -217,6 +217,7 @@ class LLMEngine:
             sampling=sampling,
             max_tokens=max_tokens,
             stop_token_ids=frozenset(stops),
+            min_tokens_held_ids=frozenset(stops | self.eos_token_ids),
             num_pending_forks=best_of - 1,
             prefix_root=prefix_root(cache_salt),
         )
@@ -378,7 +379,7 @@ class LLMEngine:
                 child = Sequence(
                     seq_id=next(self._seq_ids), prompt_token_ids=seq.prompt_token_ids, sampling=seq.sampling,
                     max_tokens=seq.max_tokens, stop_token_ids=seq.stop_token_ids,
-                    num_cached_prompt_tokens=seq.num_cached_prompt_tokens, sample_index=len(group.seqs),
+                    min_tokens_held_ids=seq.min_tokens_held_ids, num_cached_prompt_tokens=seq.num_cached_prompt_tokens, sample_index=len(group.seqs),
                     prefix_root=seq.prefix_root,
                 )
                 self.scheduler.fork(seq, child)

@@ -96,6 +96,9 @@ class Sequence:
     sampling: SamplingParams
     max_tokens: int  # resolved: never beyond the context
     stop_token_ids: frozenset[int]
+    # What min_tokens holds off: the stop ids and the model's eos ids, ignore_eos or not (vLLM's
+    # rule: an ignore_eos + min_tokens request, the fixed-length benchmark recipe, wrote eos ids).
+    min_tokens_held_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose keys and values are in the cache; the rest still need a forward.
     num_computed_tokens: int = 0

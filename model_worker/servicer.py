@@ -48,12 +48,20 @@ def grammar_wait_from_proto(structured_output: pb.StructuredOutput) -> GrammarWa
     return GrammarWait(tuple(structured_output.after_token_ids), opener)
 
 
+# vLLM's _MAX_TEMP: a positive temperature below it samples at it (vLLM raises it, with a warning),
+# where the logits over a tinier one overflow float32.
+MIN_TEMPERATURE = 1e-2
+
+
 def sampling_from_proto(add: pb.AddRequest) -> SamplingParams:
     """AddRequest -> effective SamplingParams: unset fields take the defaults the proto documents."""
     s = add.sampling
     defaults = SamplingParams()
+    temperature = s.temperature
+    if 0 < temperature < MIN_TEMPERATURE and s.sampler_order != SamplerOrder.LLAMA_CPP:
+        temperature = MIN_TEMPERATURE  # vLLM's rule: no positive temperature is greedy
     return SamplingParams(
-        temperature=s.temperature,
+        temperature=temperature,
         top_k=s.top_k,
         top_p=_off_as(s.top_p, 1.0),
         min_p=s.min_p,

@@ -76,7 +76,7 @@ def test_unknown_fields_are_ignored() -> None:
     {"response_format": {"type": "json_schema"}}, {"stream": "sometimes"}, {"stop_token_ids": [-1]},
     {"min_p": 1.5}, {"typical_p": 0}, {"repetition_penalty": 0}, {"min_tokens": -1},
     {"min_tokens": 5, "max_tokens": 4}, {"allowed_token_ids": []}, {"allowed_token_ids": [-3]},
-    {"bad_words": [""]}, {"best_of": 1, "n": 2}, {"prompt_logprobs": -1}, {"guided_choice": []},
+    {"bad_words": [""]}, {"bad_words": ["ok", " "]}, {"best_of": 1, "n": 2}, {"prompt_logprobs": -1}, {"guided_choice": []},
     {"guided_regex": "a+", "guided_choice": ["a"]}, {"response_format": {"type": "json_object"}, "regex": "x"},
     {"stream_options": {"include_usage": "maybe"}, "stream": True}, {"stream_options": {"include_usage": True}},
     {"stream_options": {"include_usage": False}},
@@ -103,14 +103,15 @@ def test_defaults_map_to_neutral_sampling() -> None:
 
 
 def test_every_sampling_parameter_reaches_the_add_request() -> None:
-    add = add_for(chat(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, typical_p=0.8, seed=-1,
+    add = add_for(chat(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, typical_p=0.8, seed=-2,
                        presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2, min_tokens=2,
                        logit_bias={"11": 5, "12": -100}, bad_words=["ab"], allowed_token_ids=[1, 2, 3],
                        max_tokens=5, max_completion_tokens=7, stop_token_ids=[9], ignore_eos=True))
     s = add.sampling
     assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9) and s.top_k == 40
     assert s.min_p == pytest.approx(0.05) and s.typical_p == pytest.approx(0.8)
-    assert s.seed == (1 << 64) - 1  # proto seed is uint64
+    assert s.seed == (1 << 64) - 2  # proto seed is uint64
+    assert not add_for(chat(seed=-1)).sampling.HasField("seed")  # vLLM's "no seed"
     assert s.presence_penalty == 0.5 and s.frequency_penalty == -0.25 and s.repetition_penalty == pytest.approx(1.2)
     assert s.min_tokens == 2 and dict(s.logit_bias) == {11: 5.0, 12: -100.0}
     assert [list(w.token_ids) for w in s.bad_words] == [[97, 98], [32, 97, 98]]
@@ -205,7 +206,9 @@ def test_structured_output_mapping(fields: dict[str, object], expected: dict[str
 
 
 def test_bad_words_are_tokenized_with_and_without_a_leading_space() -> None:
-    assert bad_word_sequences(["ab", " c"], encode_words) == [[97, 98], [32, 97, 98], [32, 99]]
+    # Leading spaces stripped first, as vLLM's: " c" bans "c" at the text's start too, and "  c"
+    # banned only the run of two spaces and c (review 100).
+    assert bad_word_sequences(["ab", " c", "  c"], encode_words) == [[97, 98], [32, 97, 98], [99], [32, 99]]
 
 
 def test_messages_keep_tool_roles_and_join_text_parts() -> None:

@@ -269,6 +269,10 @@ def test_prompt_token_rank_counts_ties_as_ahead_as_vllm():
     (SamplingParams(dry_multiplier=1.0, dry_base=0.5), 8, "dry_base"),
     (SamplingParams(xtc_probability=2.0), 8, "xtc_probability"),
     (SamplingParams(prompt_logprobs=-1), 8, "prompt_logprobs"),
+    # Past float32, where the sampler works: 0 (every seen token's logit inf) and inf (review 100)
+    (SamplingParams(repetition_penalty=1e-300), 8, "repetition_penalty"),
+    (SamplingParams(repeat_penalty=1e-40), 8, "repeat_penalty"),
+    (SamplingParams(temperature=1e39, allowed_token_ids=(5, 6)), 8, "temperature"),
 ])
 def test_invalid_sampling_params_are_rejected_with_their_name(runner, params, max_tokens, message):
     engine = LLMEngine(runner, [], max_num_seqs=4, max_num_batched_tokens=64, max_waiting_requests=10)
@@ -300,3 +304,31 @@ def test_a_sample_whose_own_masks_leave_no_token_ends_with_an_error(runner, samp
     assert all(o.token_id in sampling.allowed_token_ids for o in mine[:-1])
     other = [o for o in outputs if o.seq_id == 2]
     assert len(other) == 6 and {o.token_id for o in other} <= {81, 82} and other[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_min_tokens_holds_off_eos_under_ignore_eos_too(runner):
+    # vLLM's rule: min_tokens masks eos whatever ignore_eos says. ignore_eos + min_tokens (the
+    # fixed-length benchmark recipe) wrote eos ids inside the output, empty text (review 100).
+    eos = 2
+    engine = LLMEngine(runner, [eos], max_num_seqs=16, max_num_batched_tokens=512, max_waiting_requests=100)
+    biased = SamplingParams(logit_bias=((eos, 100.0),), min_tokens=3)
+    engine.add_request(1, [1, 4093, 198], biased, 5, [], True)
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    tokens = [o.token_id for o in outputs]
+    assert len(tokens) == 5 and eos not in tokens[:3] and tokens[3:] == [eos, eos], tokens
+    assert outputs[-1].finish_reason == FinishReason.LENGTH  # ignore_eos: eos did not end it
+
+
+@pytest.mark.parametrize(("temperature", "sampled_at"), [(1e-6, 0.01), (0.004, 0.01), (0.0, 0.0), (0.5, 0.5)])
+def test_a_positive_temperature_below_a_hundredth_samples_at_a_hundredth(temperature, sampled_at):
+    # vLLM's _MAX_TEMP: no positive temperature is greedy (below 1e-5 was greedy, review 100).
+    from model_worker.servicer import sampling_from_proto
+    from tokenwire.v1 import model_worker_pb2 as pb
+
+    add = pb.AddRequest(request_id="r", prompt_token_ids=[1])
+    add.sampling.temperature = temperature
+    assert sampling_from_proto(add).temperature == pytest.approx(sampled_at)
+    add.sampling.sampler_order = SamplerOrder.LLAMA_CPP  # llama.cpp's own chain keeps it
+    assert sampling_from_proto(add).temperature == pytest.approx(temperature)

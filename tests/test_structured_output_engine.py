@@ -282,3 +282,20 @@ def test_an_error_ends_every_sample_of_its_request(runner, compiler, smollm2, be
             assert mine[-1].error and len(mine) < 4 * 100  # the others did not run on to max_tokens
             assert all(o.finish_reason != FinishReason.ERROR for o in mine[:-1])
     assert errors >= 2  # most seeds draw a "c" in one of the samples
+
+
+def test_a_grammar_the_requests_own_bad_words_empty_ends_with_the_no_token_left_error(runner, compiler, smollm2):
+    # The grammar takes only "x", a bad word here: token 0 was drawn and the error blamed the grammar
+    # (its param, structured_output) where the request's own masks left nothing (review 100).
+    x = smollm2.encode("x", add_special_tokens=False).ids
+    engine = new_engine(runner)
+    engine.add_request(1, PROMPT, SamplingParams(temperature=1.0, seed=1, bad_words=(tuple(x),)), 8, [], False,
+                       grammar=compiler.compile(Constraint("regex", "x")))
+    engine.add_request(2, PROMPT, SamplingParams(), 3, [], True, grammar=compiler.compile(Constraint("regex", "x+")))
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    (mine,) = [o for o in outputs if o.seq_id == 1]
+    assert mine.finish_reason == FinishReason.ERROR and "no token was left" in mine.error and not mine.error_field
+    other = [o for o in outputs if o.seq_id == 2]  # a grammar without bad words beside it goes on
+    assert set(text_of(smollm2, [o.token_id for o in other])) == {"x"} and other[-1].finish_reason == FinishReason.LENGTH

@@ -96,6 +96,9 @@ class SamplingBatch:
     dry: DryBatch | None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, ids, values
     allowed_rows: torch.Tensor | None  # [A]
+    # [M] rows whose own masks can leave nothing a grammar allows (allowed_token_ids, bad words,
+    # min_tokens' held-off ids); None: none
+    maskable_rows: torch.Tensor | None
     allowed_mask: torch.Tensor | None  # [A, V] bool
     banned: SparseIds | None  # single-token bad words: always masked
     bad_word_prefixes: list[tuple[int, tuple[int, ...], int]]  # (row, prefix, last id), checked per step
@@ -159,7 +162,8 @@ class SamplingBatch:
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
         banned = [(i, w[0]) for i, p in enumerate(params) for w in p.bad_words if len(w) == 1]
         with_min = [(i, t) for i, (s, p) in enumerate(zip(seqs, params, strict=True)) if p.min_tokens
-                    for t in sorted(s.stop_token_ids)]
+                    for t in sorted(s.min_tokens_held_ids or s.stop_token_ids)]  # (one built without them)
+        maskable = [i for i, p in enumerate(params) if p.allowed_token_ids or p.bad_words or p.min_tokens]
         allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
         allowed_mask = None
         if allowed:
@@ -190,6 +194,7 @@ class SamplingBatch:
                         tensor_on(device, [t for _, t, _ in bias], torch.long),
                         tensor_on(device, [b for _, _, b in bias], torch.float32)) if bias else None,
             allowed_rows=tensor_on(device, allowed, torch.long) if allowed else None,
+            maskable_rows=tensor_on(device, maskable, torch.long) if maskable else None,
             allowed_mask=allowed_mask,
             banned=_sparse(banned, device),
             bad_word_prefixes=[(i, tuple(w[:-1]), w[-1]) for i, p in enumerate(params) for w in p.bad_words

@@ -107,12 +107,15 @@ class Sampler:
             final = self._process(batch, logits, seqs, None)
             token_ids = self._draw(batch, final)
             out = self._logprobs(batch, logits, final, token_ids)
-            if batch.allowed_rows is not None:
-                # Only allowed_token_ids can leave a row empty (the vocabulary is too large for bad
-                # words or stop ids to, and no filter drops the best token); a grammar's dead end
-                # the engine finds in its matcher. Checked on those rows only: a [S, V] max a step.
+            # Only allowed_token_ids can leave a row empty (the vocabulary is too large for bad words
+            # or stop ids to, and no filter drops the best token), or with a grammar's mask bad words
+            # and min_tokens' held-off ids too (a grammar that takes only "x", with "x" a bad word:
+            # token 0 was drawn, blamed on the grammar; review 100). A grammar's own dead end the
+            # engine finds in its matcher. Checked on those rows only: a [S, V] max a step.
+            rows = batch.allowed_rows if allowed_token_bitmask is None else batch.maskable_rows
+            if rows is not None:
                 out.no_token_left = torch.zeros(len(seqs), dtype=torch.bool, device=final.device).index_copy_(
-                    0, batch.allowed_rows, final.index_select(0, batch.allowed_rows).amax(-1) == NEG_INF)
+                    0, rows, final.index_select(0, rows).amax(-1) == NEG_INF)
         batch.state.append(token_ids)
         batch.expected_num_tokens = [n + 1 for n in batch.expected_num_tokens]
         return out

@@ -8,10 +8,16 @@ import math
 from model_worker.sequence import LogprobsMode, SamplerOrder, SamplingParams
 
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's and vLLM's range for logit_bias values
+# The sampler's tensors are float32: a value past its range is inf there (a temperature of 1e39
+# drew token 0 outside allowed_token_ids, review 100).
+_FLOAT32_MAX = 3.4028234663852886e38
+# The least penalty divisor: a logit of ~100 over a smaller one overflows float32 (1e-300 became 0
+# there, and every seen token's logit inf: the lowest such id drawn whatever the seed, review 100).
+_MIN_PENALTY = 1e-30
 
 
 def _finite(x: float) -> bool:
-    return math.isfinite(x)
+    return math.isfinite(x) and abs(x) <= _FLOAT32_MAX
 
 
 def _ids_outside(ids, vocab_size: int) -> int | None:
@@ -29,7 +35,7 @@ def validate_sampling_params(p: SamplingParams, vocab_size: int, max_tokens: int
     limit = "" if most == vocab_size else " (the model worker's --max-logprobs)"
     checks: list[tuple[bool, str, str]] = [  # (valid, AddRequest field, message)
         (_finite(p.temperature) and p.temperature >= 0,
-         "sampling.temperature", f"temperature must be >= 0, not {p.temperature}"),
+         "sampling.temperature", f"temperature must be >= 0 and finite in float32, not {p.temperature}"),
         (0 <= p.top_k, "sampling.top_k", f"top_k must be >= 0 (0 disables it), not {p.top_k}"),
         (0.0 < p.top_p <= 1.0, "sampling.top_p", f"top_p must be in (0, 1] (0 disables it), not {p.top_p}"),
         (0.0 <= p.min_p <= 1.0, "sampling.min_p", f"min_p must be in [0, 1], not {p.min_p}"),
@@ -58,10 +64,10 @@ def validate_sampling_params(p: SamplingParams, vocab_size: int, max_tokens: int
          "sampling.presence_penalty", f"presence_penalty must be in [-2, 2], not {p.presence_penalty}"),
         (-2.0 <= p.frequency_penalty <= 2.0,
          "sampling.frequency_penalty", f"frequency_penalty must be in [-2, 2], not {p.frequency_penalty}"),
-        (_finite(p.repetition_penalty) and p.repetition_penalty > 0,
-         "sampling.repetition_penalty", f"repetition_penalty must be > 0 (0 or 1 disables it), not {p.repetition_penalty}"),
-        (_finite(p.repeat_penalty) and p.repeat_penalty > 0,
-         "sampling.repeat_penalty", f"repeat_penalty must be > 0 (0 or 1 disables it), not {p.repeat_penalty}"),
+        (_finite(p.repetition_penalty) and p.repetition_penalty >= _MIN_PENALTY, "sampling.repetition_penalty",
+         f"repetition_penalty must be >= {_MIN_PENALTY:g} (0 or 1 disables it), not {p.repetition_penalty}"),
+        (_finite(p.repeat_penalty) and p.repeat_penalty >= _MIN_PENALTY, "sampling.repeat_penalty",
+         f"repeat_penalty must be >= {_MIN_PENALTY:g} (0 or 1 disables it), not {p.repeat_penalty}"),
         (p.penalty_last_n >= -1,
          "sampling.penalty_last_n", f"penalty_last_n must be >= -1 (-1: the whole context), not {p.penalty_last_n}"),
         (p.min_tokens >= 0, "sampling.min_tokens", f"min_tokens must be >= 0, not {p.min_tokens}"),
