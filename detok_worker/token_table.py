@@ -108,7 +108,7 @@ class TokenTable:
                 self.mask_low[token_id], self.mask_high[token_id] = char_mask(piece.decode("latin-1"))
             self._split(token_id, piece, trimmed)
         self.join_pieces = [*pieces, *trimmed, *self.join_pieces]
-        self._stop_starts: dict[tuple[str, ...], tuple[np.ndarray, Callable[[str], bool]]] = {}
+        self._stop_states: dict[tuple[str, ...], tuple[np.ndarray, Callable[[str], bool]]] = {}
         # The one-id row loop (columns.py) reads ids one at a time: Python lists, as indexing a
         # list costs ~20 ns and a numpy element ~100 ns. trimmed_pieces[i]: id i's bytes without
         # its tail; start_pieces[i]: the same when the id fits the empty state (fits_start: clean,
@@ -154,7 +154,7 @@ class TokenTable:
 
     def _stop_state(self, stops: tuple[str, ...]) -> tuple[np.ndarray, Callable[[str], bool]]:
         """([V] int8: 0 cannot, 1 may, -1 to be checked with could_start; could_start), per stop set."""
-        entry = self._stop_starts.get(stops)
+        entry = self._stop_states.get(stops)
         if entry is not None:
             return entry
         low, high = char_mask("".join(stop[0] for stop in stops))
@@ -162,9 +162,9 @@ class TokenTable:
         state = coarse.astype(np.int8)
         if not high & _NON_ASCII_BIT:
             state[coarse & self.clean] = -1
-        if len(self._stop_starts) >= 64:
-            self._stop_starts.clear()
-        entry = self._stop_starts[stops] = (state, StopStringMatcher(stops).could_start)
+        if len(self._stop_states) >= 64:
+            self._stop_states.clear()
+        entry = self._stop_states[stops] = (state, StopStringMatcher(stops).could_start)
         return entry
 
     def _starts_stop(self, could_start: Callable[[str], bool], token_id: int) -> int:

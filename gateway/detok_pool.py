@@ -17,11 +17,10 @@ from tokenwire.v1 import common_pb2, detok_worker_pb2
 
 logger = logging.getLogger(__name__)
 
-# Each replica its own connections: a plain HOST:PORT entry listed more than once, whose name has
-# several addresses, is left to grpc-core's resolver; channels to one name otherwise share its
-# subchannels, and every entry settled on the address that connected first (4 entries for 2
-# replicas: one connection, to one of them, in 3 of 3 starts). Apart, each picks its own at random
-# (pick_first's shuffleAddressList).
+# Each channel its own connections, for a plain HOST:PORT entry listed more than once whose name has
+# several addresses (grpc-core resolves those, not the gateway): sharing subchannels, every entry
+# settled on the address that connected first (4 entries for 2 replicas: one connection, in 3 of 3
+# starts); apart, each picks its own at random (pick_first's shuffleAddressList).
 DETOK_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 
 

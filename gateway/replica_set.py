@@ -16,7 +16,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 
@@ -25,7 +25,11 @@ from tokenwire.grpc_tls import ClientTLS, aio_channel
 
 logger = logging.getLogger(__name__)
 
-R = TypeVar("R")
+class Replica(Protocol):
+    address: str  # the gRPC target it dials
+
+
+R = TypeVar("R", bound=Replica)
 # Between two lookups while no address has resolved yet at start.
 START_RESOLVE_S = 1.0
 
@@ -74,7 +78,6 @@ class ReplicaSet(Generic[R]):
         # The entries that list each replica now (its own address, or dns:/// names that resolve
         # to it): retired once none does.
         self._origins: dict[R, set[str]] = {}
-        self._address: dict[R, str] = {}
         self.started = False
         self._refresh_task: asyncio.Task[None] | None = None
         for entry in entries:
@@ -114,7 +117,6 @@ class ReplicaSet(Generic[R]):
         replica = self._new(address, tls_name)
         self.replicas.append(replica)
         self._origins[replica] = {origin}
-        self._address[replica] = address
         return replica
 
     async def _remove(self, replica: R) -> None:
@@ -122,7 +124,6 @@ class ReplicaSet(Generic[R]):
         self.replicas.remove(replica)
         self.retired.discard(replica)
         self._origins.pop(replica, None)
-        self._address.pop(replica, None)
 
     async def resolve_all(self) -> None:
         """Adds a replica for each newly resolved address and retires those DNS no longer lists; a
@@ -137,7 +138,7 @@ class ReplicaSet(Generic[R]):
             except OSError as exc:
                 logger.warning("%ss: cannot resolve %s: %s", self.kind, entry, exc)
                 continue
-            known = {self._address[r]: r for r in self.replicas}
+            known = {r.address: r for r in self.replicas}
             for address in addresses:
                 replica = known.get(address)
                 if replica is None:
@@ -148,10 +149,10 @@ class ReplicaSet(Generic[R]):
                     continue
                 self._origins[replica].add(entry)
                 self.retired.discard(replica)  # back in DNS before its work ended
-            for replica in [r for r in self.replicas if entry in self._origins[r] and self._address[r] not in addresses]:
+            for replica in [r for r in self.replicas if entry in self._origins[r] and r.address not in addresses]:
                 self._origins[replica].discard(entry)
                 if not self._origins[replica]:  # another name (or its own address) may still list it
-                    logger.info("%s %s leaves (no longer in %s)", self.kind, self._address[replica], entry)
+                    logger.info("%s %s leaves (no longer in %s)", self.kind, replica.address, entry)
                     self.retired.add(replica)
 
     async def _refresh_loop(self) -> None:
