@@ -183,6 +183,53 @@ def test_the_launcher_restarts_a_worker_that_exits_and_stops_when_the_gateway_do
         steady.kill()
 
 
+FAST = stack.Liveness(period_s=0.1, timeout_s=0.3, failures=3)
+
+
+def test_a_service_that_stops_answering_its_health_check_is_killed_and_started_again(capsys) -> None:
+    # A worker whose event loop hangs keeps its socket and answers nothing: Kubernetes' liveness
+    # probe kills such a pod, the launcher only restarted a service that exited. SIGSTOP stands in
+    # for the hang; a real detok worker, probed over grpc.health.v1 as the stack probes it.
+    port = stack.free_port()
+    argv = [sys.executable, "-m", "detok_worker", "--host", "127.0.0.1", "--port", str(port)]
+    address = f"127.0.0.1:{port}"
+    worker = stack.ServiceProcess("detok_worker", argv, subprocess.Popen(argv), answers=stack.grpc_health_answers(address))
+    try:
+        stack.wait_grpc_serving(worker, address, 60)
+        first = worker.process
+        stopped_at = [0.0]
+
+        def stopping() -> bool:
+            if not stopped_at[0] and time.monotonic() > started + 1:  # answered meanwhile: now it hangs
+                first.send_signal(signal.SIGSTOP)
+                stopped_at[0] = time.monotonic()
+            return worker.process is not first and worker.answers(1.0)  # started again, and answering
+
+        started = time.monotonic()
+        assert stack.supervise([worker], stopping, poll_s=0.05, liveness=FAST) == 0
+        assert first.wait(5) == -signal.SIGKILL
+        killed_after = time.monotonic() - stopped_at[0]
+        said = capsys.readouterr().err.splitlines()
+        assert said[0].startswith("detok_worker did not answer its health check 3 times in a row"), said
+        assert said[1] == "detok_worker exited with code -9; starting it again (1 of 3)", said
+        assert killed_after < 10, killed_after
+    finally:
+        worker.kill()
+
+
+def test_a_service_not_answering_yet_is_not_taken_as_hung() -> None:
+    # Probed once it has answered since its (re)start: a model worker loading its weights for minutes
+    # answers nothing, and must not be killed for it.
+    loading = stack.ServiceProcess("model_worker", [], subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+                                   answers=lambda _timeout: False)
+    try:
+        until = time.monotonic() + 1.0
+        assert stack.supervise([loading], lambda: time.monotonic() > until, poll_s=0.02, liveness=FAST) == 0
+        assert loading.process.poll() is None
+    finally:
+        loading.kill()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_signal_during_start_up_ends_the_launcher_at_once(tiny_model_dir) -> None:
     # The waits for each service to start never looked at the signal: the launcher went on starting

@@ -7,6 +7,7 @@ exercise exactly the processes a user runs.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import errno
 import os
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +74,8 @@ class ServiceProcess:
     args: list[str]
     process: subprocess.Popen
     process_env: dict[str, str] | None = None
+    # Whether it answers its health check within the timeout (s) given: supervise's liveness probe.
+    answers: Callable[[float], bool] | None = None
 
     def check_alive(self) -> None:
         if self.process.poll() is not None:
@@ -156,6 +160,32 @@ def wait_grpc_serving(service: ServiceProcess, address: str, timeout_s: float,
         time.sleep(0.2)
 
 
+def grpc_health_answers(address: str, tls: ClientTLS | None = None) -> Callable[[float], bool]:
+    """A worker's liveness check: grpc.health.v1 answers SERVING (NOT_SERVING while it drains, which
+    a supervisor must not take for a hang: any answer counts)."""
+    def answers(timeout_s: float) -> bool:
+        with sync_channel(address, tls) as channel:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            except grpc.RpcError as exc:
+                return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+            return True
+    return answers
+
+
+def http_health_answers(url: str) -> Callable[[float], bool]:
+    """The gateway's liveness check: its /health answers (any HTTP status: it is not hung)."""
+    def answers(timeout_s: float) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s):
+                return True
+        except urllib.error.HTTPError:
+            return True
+        except OSError:
+            return False
+    return answers
+
+
 def wait_http_ok(service: ServiceProcess, url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -232,11 +262,13 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
         for addr in mw_addrs:
             mws.append(spawn("model_worker", model_worker_module,
                              ["--host", worker_host, "--port", addr.rsplit(":", 1)[1], *model_worker_args], env))
+            mws[-1].answers = grpc_health_answers(addr, tls)
             stack.services.append(mws[-1])
         detoks = []
         for addr in detok_addrs:
             detoks.append(spawn("detok_worker", "detok_worker",
                                 ["--host", worker_host, "--port", addr.rsplit(":", 1)[1], *detok_args], env))
+            detoks[-1].answers = grpc_health_answers(addr, tls)
             stack.services.append(detoks[-1])
         for d, addr in zip(detoks, detok_addrs, strict=True):
             wait_grpc_serving(d, addr, timeout_s, tls)
@@ -244,6 +276,7 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
             wait_grpc_serving(mw, addr, timeout_s, tls)
         gw = spawn("gateway", "gateway", ["--host", host, "--port", str(port), "--model-workers", ",".join(mw_addrs),
                                           "--detok-workers", ",".join(detok_addrs), *gateway_args], env)
+        gw.answers = http_health_answers(f"{stack.gateway_url}/health")
         stack.services.append(gw)
         wait_http_ok(gw, f"{stack.gateway_url}/health", timeout_s)
         started = True
@@ -361,27 +394,83 @@ def _serve(args: argparse.Namespace, model_worker_args: list[str], stopping: Cal
 MAX_WORKER_RESTARTS = 3
 
 
+@dataclass(frozen=True)
+class Liveness:
+    """How supervise probes each service, as deploy/k8s's livenessProbes do: a service whose event
+    loop hangs keeps its socket and answers nothing, and only a kill ends it (Kubernetes kills such a
+    pod; the launcher restarted only a service that exited). Probed once it has answered since its
+    (re)start: a model still loading is not hung."""
+
+    period_s: float = 10.0
+    timeout_s: float = 5.0
+    failures: int = 3
+
+
+@dataclass
+class _Probe:
+    process: subprocess.Popen  # the process it probes: a respawn starts over
+    answered: bool = False
+    misses: int = 0
+    next_at: float = 0.0
+    pending: concurrent.futures.Future[bool] | None = None
+
+
 def supervise(services: Sequence[ServiceProcess], stopping: Callable[[], bool], poll_s: float = 0.5,
-              max_restarts: int = MAX_WORKER_RESTARTS) -> int:
+              max_restarts: int = MAX_WORKER_RESTARTS, liveness: Liveness = Liveness()) -> int:
     """Until stopping(): a worker that exits is started again, on its port with its flags (the
     gateway reconnects to it; its requests in flight fail, those on other replicas go on), up to
-    max_restarts times each; the gateway exiting, or a worker past that, ends the stack (1)."""
+    max_restarts times each; the gateway exiting, or a worker past that, ends the stack (1). A
+    service that stops answering its liveness check (Liveness) is killed, and so handled the same."""
     restarts = dict.fromkeys(range(len(services)), 0)
-    while not stopping():
-        for number, service in enumerate(services):
-            if service.process.poll() is None:
-                continue
-            code = service.process.returncode
-            if service.name == "gateway" or restarts[number] >= max_restarts:
-                again = "" if service.name == "gateway" else f" (restarted {restarts[number]} times)"
-                print(f"{service.name} exited with code {code}{again}; stopping", file=sys.stderr, flush=True)
-                return 1
-            restarts[number] += 1
-            print(f"{service.name} exited with code {code}; starting it again ({restarts[number]} of "
-                  f"{max_restarts})", file=sys.stderr, flush=True)
-            service.respawn()
-        time.sleep(poll_s)
-    return 0
+    probes: dict[int, _Probe] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, len(services)), thread_name_prefix="liveness")
+    try:
+        while not stopping():
+            for number, service in enumerate(services):
+                if service.process.poll() is None:
+                    _probe_liveness(number, service, liveness, probes, pool)
+                    continue
+                code = service.process.returncode
+                if service.name == "gateway" or restarts[number] >= max_restarts:
+                    again = "" if service.name == "gateway" else f" (restarted {restarts[number]} times)"
+                    print(f"{service.name} exited with code {code}{again}; stopping", file=sys.stderr, flush=True)
+                    return 1
+                restarts[number] += 1
+                print(f"{service.name} exited with code {code}; starting it again ({restarts[number]} of "
+                      f"{max_restarts})", file=sys.stderr, flush=True)
+                service.respawn()
+            time.sleep(poll_s)
+        return 0
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a check in flight must not hold the stop
+
+
+def _probe_liveness(number: int, service: ServiceProcess, liveness: Liveness, probes: dict[int, _Probe],
+                    pool: concurrent.futures.Executor) -> None:
+    """One look at a running service's liveness probe: its last check's answer, and the next check
+    when due; kills it past liveness.failures misses in a row."""
+    if service.answers is None:
+        return
+    probe = probes.get(number)
+    if probe is None or probe.process is not service.process:
+        probe = probes[number] = _Probe(service.process)
+    if probe.pending is not None and probe.pending.done():
+        answered = not probe.pending.cancelled() and probe.pending.exception() is None and probe.pending.result()
+        probe.pending = None
+        if answered:
+            probe.answered, probe.misses = True, 0
+        elif probe.answered:
+            probe.misses += 1
+            if probe.misses >= liveness.failures:
+                print(f"{service.name} did not answer its health check {probe.misses} times in a row "
+                      f"({liveness.timeout_s:g} s each, every {liveness.period_s:g} s): taken as hung, killing it",
+                      file=sys.stderr, flush=True)
+                service.process.kill()
+                return
+    now = time.monotonic()
+    if probe.pending is None and now >= probe.next_at:
+        probe.pending = pool.submit(service.answers, liveness.timeout_s)
+        probe.next_at = now + liveness.period_s
 
 
 if __name__ == "__main__":
