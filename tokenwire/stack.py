@@ -119,10 +119,11 @@ class ServiceProcess:
 PARENT_PID_ENV = "TOKENWIRE_STACK_PID"
 
 
-def spawn(name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> ServiceProcess:
+def spawn(name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None,
+          answers: Callable[[float], bool] | None = None) -> ServiceProcess:
     argv = [sys.executable, "-m", module, *args]
     full_env = {**os.environ, **(env or {})}
-    return ServiceProcess(name, argv, subprocess.Popen(argv, env=full_env), full_env)
+    return ServiceProcess(name, argv, subprocess.Popen(argv, env=full_env), full_env, answers)
 
 
 def exit_with_the_stack() -> None:
@@ -148,28 +149,31 @@ def wait_grpc_serving(service: ServiceProcess, address: str, timeout_s: float,
         # reconnect backoff (1 s, x1.6 per failure; shorter backoff options did not hold on the
         # poll-based socket layer, see tokenwire/grpc_io.py), so a worker that took 15 s to load was
         # first seen serving ~10 s after it listened, and the gateway started that much later.
-        with sync_channel(address, tls) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
+        try:
+            if health_check(address, tls, 2).status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
         if time.monotonic() > deadline:
             raise ServiceFailedToStart(f"{service.name} not serving on {address} after {timeout_s:.0f}s")
         time.sleep(0.2)
 
 
+def health_check(address: str, tls: ClientTLS | None, timeout_s: float) -> health_pb2.HealthCheckResponse:
+    """One grpc.health.v1 Check of the whole server, on a channel of its own; raises grpc.RpcError."""
+    with sync_channel(address, tls) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+
+
 def grpc_health_answers(address: str, tls: ClientTLS | None = None) -> Callable[[float], bool]:
-    """A worker's liveness check: grpc.health.v1 answers SERVING (NOT_SERVING while it drains, which
-    a supervisor must not take for a hang: any answer counts)."""
+    """A worker's liveness check: its grpc.health.v1 answers (any answer: NOT_SERVING while it drains
+    is no hang for a supervisor to kill)."""
     def answers(timeout_s: float) -> bool:
-        with sync_channel(address, tls) as channel:
-            try:
-                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-            except grpc.RpcError as exc:
-                return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
-            return True
+        try:
+            health_check(address, tls, timeout_s)
+        except grpc.RpcError as exc:
+            return exc.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+        return True
     return answers
 
 
@@ -261,22 +265,22 @@ def start_stack(model_worker_args: Sequence[str] = (), num_detok: int = 1, host:
         mws = []
         for addr in mw_addrs:
             mws.append(spawn("model_worker", model_worker_module,
-                             ["--host", worker_host, "--port", addr.rsplit(":", 1)[1], *model_worker_args], env))
-            mws[-1].answers = grpc_health_answers(addr, tls)
+                             ["--host", worker_host, "--port", addr.rsplit(":", 1)[1], *model_worker_args], env,
+                             grpc_health_answers(addr, tls)))
             stack.services.append(mws[-1])
         detoks = []
         for addr in detok_addrs:
             detoks.append(spawn("detok_worker", "detok_worker",
-                                ["--host", worker_host, "--port", addr.rsplit(":", 1)[1], *detok_args], env))
-            detoks[-1].answers = grpc_health_answers(addr, tls)
+                                ["--host", worker_host, "--port", addr.rsplit(":", 1)[1], *detok_args], env,
+                                grpc_health_answers(addr, tls)))
             stack.services.append(detoks[-1])
         for d, addr in zip(detoks, detok_addrs, strict=True):
             wait_grpc_serving(d, addr, timeout_s, tls)
         for mw, addr in zip(mws, mw_addrs, strict=True):
             wait_grpc_serving(mw, addr, timeout_s, tls)
         gw = spawn("gateway", "gateway", ["--host", host, "--port", str(port), "--model-workers", ",".join(mw_addrs),
-                                          "--detok-workers", ",".join(detok_addrs), *gateway_args], env)
-        gw.answers = http_health_answers(f"{stack.gateway_url}/health")
+                                          "--detok-workers", ",".join(detok_addrs), *gateway_args], env,
+                   http_health_answers(f"{stack.gateway_url}/health"))
         stack.services.append(gw)
         wait_http_ok(gw, f"{stack.gateway_url}/health", timeout_s)
         started = True
@@ -455,7 +459,7 @@ def _probe_liveness(number: int, service: ServiceProcess, liveness: Liveness, pr
     if probe is None or probe.process is not service.process:
         probe = probes[number] = _Probe(service.process)
     if probe.pending is not None and probe.pending.done():
-        answered = not probe.pending.cancelled() and probe.pending.exception() is None and probe.pending.result()
+        answered = probe.pending.exception() is None and probe.pending.result()  # (cancelled only once it stops)
         probe.pending = None
         if answered:
             probe.answered, probe.misses = True, 0
