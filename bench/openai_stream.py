@@ -148,16 +148,45 @@ def sse_data(line: str) -> str | None:
     return line[5:].strip() or None
 
 
-def parse_sse_line(line: str) -> dict[str, Any] | None:
-    """The JSON object of a `data:` line; None for [DONE], comments, blank lines and other fields.
-    Raises ValueError for a payload that is not a JSON object (the request then fails alone)."""
-    data = sse_data(line)
-    if data is None or data == DONE:
-        return None
+def sse_json(data: str) -> dict[str, Any]:
+    """The JSON object of a `data:` payload other than [DONE]. Raises ValueError for a payload that
+    is not a JSON object (the request then fails alone)."""
     chunk = json.loads(data)
     if not isinstance(chunk, dict):
         raise ValueError(f"SSE data is not a JSON object: {data[:100]}")
     return chunk
+
+
+# aiohttp's own line reader refused a line past its read_bufsize: the same bound here.
+MAX_LINE_BYTES = 1 << 22
+
+
+class LineSplitter:
+    """A response body's lines (each without its "\n"), from the pieces it arrives in.
+
+    The load generator reads whatever bytes have come (aiohttp's iter_any) and splits them itself,
+    as vLLM's benchmark client does, rather than awaiting aiohttp's line reader once per line: an
+    SSE event is two lines, and at 32 streams the client shares the 2 cores with the server it
+    measures (README, Performance: the client's CPU per token)."""
+
+    def __init__(self, max_line_bytes: int = MAX_LINE_BYTES) -> None:
+        self.max_line_bytes = max_line_bytes
+        self._partial = b""
+
+    def feed(self, data: bytes) -> list[str]:
+        """The lines this piece completes. Raises ValueError for a line over max_line_bytes, or one
+        that is not UTF-8."""
+        if self._partial:
+            data = self._partial + data
+        complete, newline, self._partial = data.rpartition(b"\n")
+        if len(self._partial) > self.max_line_bytes:
+            raise ValueError(f"an SSE line over {self.max_line_bytes} bytes")
+        return complete.decode().split("\n") if newline else []
+
+    def rest(self) -> list[str]:
+        """The last line, where the body ends without a line end."""
+        partial, self._partial = self._partial, b""
+        return [partial.decode()] if partial else []
 
 
 # The longest a request waits for the server's next bytes before it fails: one stalled stream
@@ -191,14 +220,13 @@ async def stream_request(client: aiohttp.ClientSession, url: str, spec: RequestS
             if response.status != 200:
                 body = (await response.read()).decode(errors="replace")
                 raise StreamError(f"HTTP {response.status}: {body[:300]}")
-            async for raw_line in response.content:  # one SSE line at a time, b"\n" kept
-                now = time.perf_counter()
-                line = raw_line.decode()
-                chunk = parse_sse_line(line)
-                if chunk is not None:
-                    record.add_chunk(now, counter.feed(chunk))
-                elif sse_data(line) == DONE:
-                    saw_done = True
+            lines = LineSplitter()
+            async for piece in response.content.iter_any():
+                now = time.perf_counter()  # every chunk in one piece came at once
+                for line in lines.feed(piece):
+                    saw_done = _take_line(line, now, record, counter) or saw_done
+            for line in lines.rest():
+                saw_done = _take_line(line, time.perf_counter(), record, counter) or saw_done
     except (StreamError, aiohttp.ClientError, ValueError, TimeoutError) as exc:  # ValueError: bad JSON, an over-long line
         record.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, StreamError) else str(exc)
     record.end = time.perf_counter()
@@ -215,3 +243,14 @@ async def stream_request(client: aiohttp.ClientSession, url: str, spec: RequestS
     record.num_prompt_tokens = counter.prompt_tokens if counter.prompt_tokens is not None else len(prompt.token_ids)
     record.exact_token_counts = counter.exact
     return record
+
+
+def _take_line(line: str, now: float, record: RequestRecord, counter: ChunkTokenCounter) -> bool:
+    """Records one SSE line's chunk (timed at now); True for the [DONE] line."""
+    data = sse_data(line)
+    if data is None:
+        return False
+    if data == DONE:
+        return True
+    record.add_chunk(now, counter.feed(sse_json(data)))
+    return False

@@ -17,7 +17,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from bench.loadgen import run_level, run_sweep
 from bench.metrics import RequestRecord, distribution_ms, summarize
-from bench.openai_stream import ChunkTokenCounter, RequestSpec, client_session, parse_sse_line
+from bench.openai_stream import (
+    ChunkTokenCounter,
+    LineSplitter,
+    RequestSpec,
+    client_session,
+    sse_data,
+    sse_json,
+)
 from bench.prompts import Prompt, make_prompts
 from bench.workload import Level, Workload, arrival_offsets
 
@@ -176,13 +183,29 @@ def test_chunk_counter_guess_is_checked_against_final_usage():
 
 
 def test_sse_lines_and_error_events():
-    assert parse_sse_line("data: [DONE]") is None
+    assert sse_data("data: [DONE]") == "[DONE]"
     with pytest.raises(ValueError, match="not a JSON object"):
-        parse_sse_line("data: [1, 2]")
-    assert parse_sse_line(": keep-alive") is None
-    assert parse_sse_line('data: {"a": 1}') == {"a": 1}
+        sse_json(sse_data("data: [1, 2]"))
+    assert sse_data(": keep-alive") is None
+    assert sse_data("") is None
+    assert sse_json(sse_data('data: {"a": 1}\r')) == {"a": 1}
     with pytest.raises(Exception, match="boom"):
         ChunkTokenCounter("completions").feed({"error": {"message": "boom"}})
+
+
+def test_line_splitter_joins_lines_across_pieces():
+    body = 'data: {"t": "é"}\r\n\r\ndata: {"t": "x"}\n\ndata: [DONE]'.encode()
+    for cut in range(1, len(body)):  # every split point, inside the two-byte é too
+        lines = LineSplitter()
+        got = lines.feed(body[:cut]) + lines.feed(body[cut:]) + lines.rest()
+        assert got == ['data: {"t": "é"}\r', "\r", 'data: {"t": "x"}', "", "data: [DONE]"], cut
+    lines = LineSplitter()
+    assert [lines.feed(bytes([b])) for b in b"ab\n"] == [[], [], ["ab"]]
+    assert lines.rest() == []
+    bounded = LineSplitter(max_line_bytes=8)
+    assert bounded.feed(b"12345678\n123") == ["12345678"]
+    with pytest.raises(ValueError, match="over 8 bytes"):
+        bounded.feed(b"456789")
 
 
 # ---------------------------------------------------------------- loadgen against a fake server
@@ -196,7 +219,8 @@ class FakeServer:
         self.continuous_usage = continuous_usage
         # A broken server: "short" (stops after 3 tokens, finish_reason stop), "no_done" (ends the
         # body after 3 tokens without [DONE]), "not_object" (a data line that is a JSON string),
-        # "stall" (sends 1 token, then nothing, the connection open).
+        # "stall" (sends 1 token, then nothing, the connection open); "unterminated" (well formed, but
+        # the body ends on [DONE] with no line end).
         self.fault = fault
         self.in_flight = 0
         self.max_in_flight = 0
@@ -247,7 +271,7 @@ class FakeServer:
                 if options.get("include_usage"):
                     usage = {"prompt_tokens": num_prompt, "completion_tokens": sent}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-                yield "data: [DONE]\n\n"
+                yield "data: [DONE]" if self.fault == "unterminated" else "data: [DONE]\n\n"
             finally:
                 self.in_flight -= 1
 
@@ -358,6 +382,13 @@ def test_a_broken_stream_fails_its_request_instead_of_passing_or_ending_the_swee
     assert [r.ok for r in records] == [False, False]
     assert all(error in r.error for r in records), [r.error for r in records]
     assert summarize(records, 2).failed == 2
+
+
+def test_a_last_line_without_its_line_end_still_counts(serve):
+    base_url = serve(FakeServer(fault="unterminated"))
+    records = asyncio.run(_run_level(base_url, RequestSpec("completions", "fake-model", 5), _prompts(2),
+                                     Level(2, None, 2)))
+    assert [(r.ok, r.num_output_tokens, r.chunk_tokens) for r in records] == [(True, 5, [1, 2, 1, 1])] * 2
 
 
 def test_a_short_output_is_fine_where_the_run_does_not_ask_for_a_fixed_length(serve):
