@@ -107,6 +107,7 @@ def create_app(config: Config, freeze_heap: bool = False) -> FastAPI:
         pipeline = getattr(app.state, "pipeline", None) or await Pipeline.connect(config, metrics)
         app.state.pipeline = pipeline
         app.state.served_model_name = config.served_model_name or pipeline.model_info.model_id
+        metrics.describe_model(app.state.served_model_name, pipeline.model_info.max_model_len)
         app.state.created = int(time.time())
         if freeze_heap:  # the tokenizer and token tables are loaded by now
             freeze_startup_heap("gateway")
@@ -295,7 +296,7 @@ async def _respond(request: Request, pipeline: Pipeline, prompts: Sequence[Seque
     num_prompt_tokens = sum(len(p) for p in prompts)
     num_choices = len(prompts) * params.n
     access = access_record(request.scope)
-    timer = RequestTimer(request.app.state.metrics, num_prompt_tokens, num_choices, access=access)
+    timer = RequestTimer(request.app.state.metrics, [len(p) for p in prompts], params.n, access=access)
     if access is not None:
         timer.started = access.started  # latencies count from the request's arrival, as vLLM's do
         responder.use_request_id(access.request_id)

@@ -35,6 +35,7 @@ from tokenwire.v1 import detok_worker_pb2, model_worker_pb2
 logger = logging.getLogger(__name__)
 
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]  # a full waiting queue
+_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 @dataclass
@@ -222,7 +223,12 @@ class Pipeline:
             return True  # _on_token_frame drops it: ended here, the worker has not heard yet
         if request.model is not replica:
             return False  # moved away after a refusal, or a confused worker: not its request
-        if seq.finish_reason != model_worker_pb2.FINISH_REASON_ERROR or seq.error.code != _RESOURCE_EXHAUSTED:
+        if seq.finish_reason != model_worker_pb2.FINISH_REASON_ERROR:
+            return True
+        if self.metrics is not None:
+            self.metrics.model_worker_rpc_errors.labels(worker=replica.address, rpc="AddRequest",
+                                                        code=_STATUS_NAMES.get(seq.error.code, "UNKNOWN")).inc()
+        if seq.error.code != _RESOURCE_EXHAUSTED:
             return True
         replica.full_until = time.monotonic() + RETRY_AFTER_S
         request.models_full.append(replica)

@@ -114,6 +114,7 @@ async def test_n_outputs_are_one_request_routed_by_index(pipeline: Pipeline) -> 
 
 
 async def test_a_refusal_fails_the_whole_request(pipeline: Pipeline) -> None:
+    pipeline.metrics = GatewayMetrics()
     generator = pipeline.generate([1], GenerationParams(n=3))
     pending = asyncio.create_task(anext(generator))
     await asyncio.sleep(0)
@@ -121,11 +122,14 @@ async def test_a_refusal_fails_the_whole_request(pipeline: Pipeline) -> None:
     refusal = model_worker_pb2.SequenceTokens(
         request_id=add.request_id, finish_reason=model_worker_pb2.FINISH_REASON_ERROR,
         error=model_worker_pb2.RequestError(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message="full"))
-    pipeline._on_token_frame(model_worker_pb2.TokenFrame(sequences=[refusal]))
+    pipeline._on_replica_token_frame(pipeline.model, model_worker_pb2.TokenFrame(sequences=[refusal]))
     with pytest.raises(APIError) as info:
         await asyncio.wait_for(pending, 5)
     assert info.value.status == 429 and info.value.headers["Retry-After"]
     assert pipeline.num_live_requests == 0 and not pipeline.model._aborts
+    # Counted against the replica that refused it, once (review 101: refusals left no trace).
+    assert sample(pipeline.metrics.render().decode(), "tokenwire:model_worker_rpc_errors_total",
+                  worker=pipeline.model.address, rpc="AddRequest", code="RESOURCE_EXHAUSTED") == 1
 
 
 async def test_failing_the_open_requests_fails_the_later_ones_too(pipeline: Pipeline) -> None:
@@ -223,8 +227,8 @@ async def test_losing_a_detok_replica_moves_its_requests_and_the_client_reads_on
     p._on_detok_lost(p.detoks[0], ConnectionError("gone"))
     assert p._live[adds[0].request_id].detok is kept and p._live[adds[2].request_id].detok is kept
     assert (lost.num_open_sequences, kept.num_open_sequences) == (0, 3)
-    reopened_metric = 'tokenwire:detok_sequences_reopened_total{worker="127.0.0.1:10"}'
-    assert sample(p.metrics.render().decode(), reopened_metric) == 1  # the open one; the other opens later
+    reopened = sample(p.metrics.render().decode(), "tokenwire:detok_sequences_reopened_total", worker="127.0.0.1:10")
+    assert reopened == 1  # the open one; the other opens later
     reopened = kept._take_frame()
     assert [o.sequence_id for o in reopened.opens] == [sequence] and reopened.opens[0].prompt_tail_ids == [1]
     assert unpack_int32(reopened.columns.token_ids).tolist() == [4, 5]  # every id it was sent

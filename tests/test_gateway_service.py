@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from tests.conftest import openai_client, tiny_stack
+from tests.test_gateway_metrics import series
 from tokenwire.stack import Stack, start_stack
 
 pytestmark = pytest.mark.slow
@@ -363,23 +364,31 @@ def test_models_and_health(stack: Stack, client: openai.OpenAI, model: str) -> N
 
 
 def test_metrics_count_requests_and_tokens(stack: Stack, client: openai.OpenAI, model: str) -> None:
-    def scrape() -> dict[str, float]:
+    def scrape() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         text = httpx.get(f"{stack.gateway_url}/metrics", timeout=10).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line.startswith("tokenwire:")}
+        # vLLM's dashboards select every series by model_name: each names the served model.
+        assert f'model_name="{model}"' in text and 'model_name=""' not in text
+        return series(text)
+
+    def one(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
+        return name, frozenset(labels.items())
 
     before = scrape()
     reply = client.completions.create(model=model, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
     after = scrape()
     assert reply.usage is not None
-    grew = {name: after[name] - before.get(name, 0.0) for name in after}
-    assert grew["tokenwire:prompt_tokens_total"] == reply.usage.prompt_tokens
-    assert grew["tokenwire:generation_tokens_total"] == 3
-    assert grew["tokenwire:e2e_request_latency_seconds_count"] == 1
-    assert grew["tokenwire:time_to_first_token_seconds_count"] == 1
-    assert 'tokenwire:request_success_total{finished_reason="length"}' in after
-    worker = f'{{worker="{stack.model_worker_address}"}}'
-    assert f"tokenwire:num_requests_running{worker}" in after and f"tokenwire:num_requests_waiting{worker}" in after
+    grew = {key: after[key] - before.get(key, 0.0) for key in after}
+    assert grew[one("tokenwire:prompt_tokens_total")] == reply.usage.prompt_tokens
+    assert grew[one("tokenwire:generation_tokens_total")] == 3
+    assert grew[one("tokenwire:e2e_request_latency_seconds_count")] == 1
+    assert grew[one("tokenwire:time_to_first_token_seconds_count")] == 1
+    assert grew[one("tokenwire:request_success_total", finished_reason="length")] == 1
+    assert grew[one("tokenwire:request_generation_tokens_sum")] == 3
+    worker = stack.model_worker_address
+    assert one("tokenwire:num_requests_running", worker=worker) in after
+    assert one("tokenwire:num_requests_waiting", worker=worker) in after
+    # The model worker's own totals: every prompt token is looked up in its prefix cache.
+    assert grew[one("tokenwire:prefix_cache_queries_total", worker=worker)] == reply.usage.prompt_tokens
 
 
 def test_tokenize_and_detokenize(stack: Stack, model: str) -> None:
