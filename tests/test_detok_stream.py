@@ -96,7 +96,7 @@ def test_quiet_sequences_get_no_delta(smollm2: Tokenizer, identity: common_pb2.T
     assert list(by_id(reply)) == ["y"]
     reply = stream.apply(pb.DetokenizeFrame(tokens=[tokens("x", emoji[1:]), tokens("x", emoji[:1], finished=True)]))
     delta = by_id(reply)["x"]
-    assert (delta.text, delta.finished) == ("🙂\ufffd", True)
+    assert (delta.text, delta.finished) == ("🙂", True)  # the cut emoji after it dropped, as vLLM drops it
 
 
 def test_stop_hit_and_late_tokens(smollm2: Tokenizer, identity: common_pb2.TokenizerIdentity) -> None:
