@@ -21,8 +21,8 @@ from detok_worker.stop_strings import StopStringMatcher
 from detok_worker.stream import BadFrameError, DetokenizeStream
 from detok_worker.token_bytes import TokenizerDecoding
 from detok_worker.token_table import STUCK, VALID2, token_table_for
-from tests.detok_tokenizers import finished_text
 from tests import test_detok_columns
+from tests.detok_tokenizers import finished_text
 from tests.test_detok_columns import SETTINGS, Plan, VocabInfo, answers_of, identity, plans, run_lockstep
 from tests.test_detok_stop_strings import reference_stop
 from tokenwire.packing import pack_int32
