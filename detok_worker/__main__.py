@@ -25,6 +25,7 @@ from tokenwire.grpc_server import (
     serve_until_signal,
     wait_quiet,
 )
+from tokenwire.loop_watchdog import LoopWatchdog
 from tokenwire.sched_slice import use_serving_slice
 from tokenwire.stack import ENV_PREFIXES, exit_with_the_stack
 from tokenwire.v1 import common_pb2, detok_worker_pb2_grpc
@@ -58,9 +59,10 @@ async def serve(config: Config) -> None:
     await mark_serving(health_servicer, [SERVICE_FULL_NAME])
     logger.info("detok worker serving %s on %s", SERVICE_FULL_NAME, config.address)
 
-    # Ends once no sequence has been open for DRAIN_QUIET_S.
-    await serve_until_signal(server, config.address, config.drain_grace_s, config.tls, health_servicer,
-                             drained=lambda: wait_quiet(servicer.is_drained))
+    with LoopWatchdog(config.loop_stall_exit_s):
+        # Ends once no sequence has been open for DRAIN_QUIET_S.
+        await serve_until_signal(server, config.address, config.drain_grace_s, config.tls, health_servicer,
+                                 drained=lambda: wait_quiet(servicer.is_drained))
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ from gateway.pipeline import Pipeline
 from tokenwire.config_cli import parse_config
 from tokenwire.gc_heap import pause_collections_until_frozen
 from tokenwire.grpc_io import log_io_note
+from tokenwire.loop_watchdog import LoopWatchdog
 from tokenwire.sched_slice import use_serving_slice
 from tokenwire.stack import ENV_PREFIXES, exit_with_the_stack
 
@@ -118,7 +119,8 @@ async def serve(config: Config) -> int:
     stopped = await connect_unless_stopped(config, app)
     if stopped is not None:
         return stopped
-    await server.serve()
+    with LoopWatchdog(config.loop_stall_exit_s):
+        await server.serve()
     return 0 if server.started else STARTUP_FAILURE
 
 

@@ -9,6 +9,7 @@ from gateway.request_limits import RequestLimits
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 from tokenwire.config_cli import LOG_LEVELS
 from tokenwire.grpc_tls import client_tls
+from tokenwire.loop_watchdog import check_stall_exit_s, stall_exit_field
 from tokenwire.sched_slice import SchedSliceOption
 
 # A --model-workers entry the gateway resolves itself, one replica per address.
@@ -82,6 +83,7 @@ class Config(SchedSliceOption):
     tls_key_file: str = field(default="", metadata={"help": "PEM private key of --tls-cert-file"})
     drain_grace_s: float = field(default=30.0, metadata={
         "help": "on SIGTERM: seconds open requests get to finish before the gateway exits"})
+    loop_stall_exit_s: float = stall_exit_field()
     request_timeout_s: float = field(default=600.0, metadata={
         "help": "a request still running after this many seconds is aborted with a 504 (or a final SSE error "
                 "event); 0: no limit"})
@@ -147,3 +149,4 @@ class Config(SchedSliceOption):
             raise ValueError(f"--startup-timeout-s must be > 0, not {self.startup_timeout_s}")
         if not self.drain_grace_s >= 0:
             raise ValueError(f"--drain-grace-s must be >= 0, not {self.drain_grace_s}")
+        check_stall_exit_s(self.loop_stall_exit_s)
