@@ -179,7 +179,8 @@ class ChatMessage(_Lenient):
 
 
 class JsonSchemaFormat(_Lenient):
-    name: str = "response"
+    # Required, with OpenAI's pattern, as OpenAI and vLLM require it.
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     # OpenAI's field is `schema`, which shadows BaseModel.schema: hence the alias.
     schema_: dict[str, Any] = Field(alias="schema", default_factory=dict)
@@ -213,8 +214,7 @@ class StructuredOutputs(_Lenient):
 
     @model_validator(mode="after")
     def _one_constraint(self) -> StructuredOutputs:
-        for option in ("structural_tag", "whitespace_pattern", "disable_any_whitespace",
-                       "disable_additional_properties"):
+        for option in ("structural_tag", "whitespace_pattern", "disable_any_whitespace"):
             if getattr(self, option):
                 raise ParamError("structured_outputs", f"structured_outputs.{option} is not supported")
         if self.choice is not None and not self.choice:
@@ -451,9 +451,11 @@ def template_tools_of(tools: list[ToolDefinition] | None) -> list[dict[str, Any]
 def arguments_schema(function: FunctionDefinition) -> dict[str, Any]:
     """The schema a call's arguments decode against: `parameters` as sent, typed an object where
     it names no type (ToolDefinition already refuses any other type), else any JSON value would
-    match and a client's json.loads(arguments) could get a list or a bool."""
-    parameters = function.parameters or {}
-    return parameters if "type" in parameters else {"type": "object", **parameters}
+    match and a client's json.loads(arguments) could get a list or a bool; a function without
+    parameters takes none (OpenAI's empty parameter list), so its arguments are {}; and, as vLLM's
+    default backend (xgrammar, strict) decodes them, no property the schema does not list."""
+    parameters = function.parameters or {"properties": {}}
+    return closed_objects(parameters if "type" in parameters else {"type": "object", **parameters})
 
 
 # Where the "required" call list keeps tool i's schema: under the root's $defs, so its own
@@ -461,6 +463,34 @@ def arguments_schema(function: FunctionDefinition) -> dict[str, Any]:
 _TOOL_DEF = "tokenwire_tool_{}"
 # Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
 _SCHEMA_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+# Keywords whose values map names to schemas (not schemas themselves: a property named
+# "properties" is not a keyword).
+_SCHEMA_MAP_KEYWORDS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def closed_objects(schema: Any) -> Any:
+    """schema with `additionalProperties: false` on each object schema that lists properties (or
+    patternProperties) and says nothing of others: vLLM's disable_additional_properties rule, and
+    what its default backend (xgrammar, strict) decodes. Plain JSON Schema lets such an object take
+    any other key, and llguidance follows it: a forced tool call wandered into keys nobody declared
+    and ran to max_tokens (review 103)."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_DATA_KEYWORDS:
+            closed[key] = value
+        elif key in _SCHEMA_MAP_KEYWORDS and isinstance(value, dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        else:
+            closed[key] = closed_objects(value)
+    if ("properties" in schema or "patternProperties" in schema) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def reroot_schema(schema: Any, root: str) -> Any:
@@ -564,7 +594,7 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
                 for i, t in enumerate(tools)}
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                                    "parameters": {"$ref": f"#/$defs/{_TOOL_DEF.format(i)}"}},
-                  "required": ["name", "parameters"]} for i, t in enumerate(tools)]
+                  "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(tools)]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
         if not self.parallel_tool_calls:
             schema["maxItems"] = 1

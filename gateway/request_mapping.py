@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import context_length_exceeded, invalid_request
-from gateway.openai_requests import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.openai_requests import ChatCompletionRequest, ChatMessage, CompletionRequest, closed_objects
 from gateway.tool_parsers import strict_json
 from tokenwire.v1 import common_pb2, detok_worker_pb2, model_worker_pb2
 
@@ -136,7 +136,13 @@ def structured_output(body: GenerationRequest) -> model_worker_pb2.StructuredOut
     outputs = body.structured_outputs
     if outputs is not None:
         if outputs.json_ is not None:
-            return so(json_schema=outputs.json_ if isinstance(outputs.json_, str) else json.dumps(outputs.json_))
+            schema = outputs.json_
+            if outputs.disable_additional_properties:
+                try:
+                    schema = closed_objects(json.loads(schema) if isinstance(schema, str) else schema)
+                except json.JSONDecodeError:
+                    pass  # the model worker's compile says what is wrong with it
+            return so(json_schema=schema if isinstance(schema, str) else json.dumps(schema))
         if outputs.regex is not None:
             return so(regex=outputs.regex)
         if outputs.grammar is not None:

@@ -486,6 +486,12 @@ class LLMEngine:
                 seq.finish_reason = FinishReason.LENGTH
             grammar_error = None
             matcher = self._grammars.get(seq.seq_id)
+            if (matcher is not None and seq.finish_reason == FinishReason.STOP and seq.seq_id not in self._grammar_waits
+                    and matcher.dead_end):
+                # The mask allowed eos only because nothing the grammar allows could follow: the
+                # output breaks its constraint, so it ends with the error, not as a success (review 103).
+                seq.finish_reason, seq.stop_token_id = FinishReason.ERROR, None
+                grammar_error = f"no text the grammar allows can follow ({matcher.error.partition(chr(10))[0]})"
             if matcher is not None and seq.finish_reason in (FinishReason.NONE, FinishReason.LENGTH):
                 wait = self._grammar_waits.get(seq.seq_id)
                 if wait is not None and wait.opener is not None:  # the first token decides

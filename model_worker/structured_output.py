@@ -128,6 +128,12 @@ class GrammarMatcher:
     def error(self) -> str:
         return self._matcher.get_error()
 
+    @property
+    def dead_end(self) -> bool:
+        """Nothing the grammar allows can follow the output so far (its last mask, computed
+        for this step, allowed only eos for that reason): an eos drawn now ends no document."""
+        return self._matcher.is_error()
+
 
 class CompiledGrammar:
     """A compiled constraint, shared by every request that uses it; hands out fresh matchers."""
@@ -143,17 +149,27 @@ class CompiledGrammar:
         return GrammarMatcher(self._template.deep_copy())
 
 
+# The most constraint text the cache keeps (besides the newest entry, whatever its size): a compiled
+# grammar holds ~12 times its text (a 3 MiB choice list kept ~35 MiB), and 256 such entries grew a
+# worker by ~9 GB where only the count was bounded (review 103).
+MAX_CACHED_TEXT_CHARS = 16 << 20
+
+
 class GrammarCompiler:
     """Compiles constraints on a small named thread pool and keeps the newest `cache_size`
-    results (failures included, so a repeated bad schema is refused at once).
+    results, of at most max_cached_chars of constraint text between them (failures included, so
+    a repeated bad schema is refused at once).
 
     The cache holds futures, so concurrent requests with one schema share one compilation.
     """
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, cache_size: int = 256, num_threads: int = 2) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, cache_size: int = 256, num_threads: int = 2,
+                 max_cached_chars: int = MAX_CACHED_TEXT_CHARS) -> None:
         self.tokenizer = tokenizer
         self.cache_size = cache_size
+        self.max_cached_chars = max_cached_chars
         self._cache: OrderedDict[Constraint, Future[CompiledGrammar]] = OrderedDict()
+        self._cached_chars = 0
         self._lock = threading.Lock()
         # llguidance drops the GIL while it builds a grammar, so these threads do not slow steps.
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar-compile")
@@ -183,8 +199,11 @@ class GrammarCompiler:
                 return future
             future = self._pool.submit(self._compile, constraint)
             self._cache[constraint] = future
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._cached_chars += len(constraint.text)
+            while len(self._cache) > 1 and (len(self._cache) > self.cache_size
+                                            or self._cached_chars > self.max_cached_chars):
+                evicted, _ = self._cache.popitem(last=False)
+                self._cached_chars -= len(evicted.text)
             return future
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
@@ -206,6 +225,13 @@ class GrammarCompiler:
         template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
             raise GrammarError(f"cannot compile {constraint.kind}: {template.get_error().strip()}")
+        # A language with no text at all ([^\s\S]) shows only once a mask is computed: its first
+        # mask allows only eos, which ended the output as a success with nothing in it (review 103).
+        probe = template.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise GrammarError(f"cannot compile {constraint.kind}: no text matches it "
+                               f"({probe.get_error().partition(chr(10))[0]})")
         return CompiledGrammar(constraint, template)
 
 

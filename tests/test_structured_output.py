@@ -221,6 +221,10 @@ def test_sampled_gbnf_outputs_are_in_the_language(compiler, smollm2, punctuation
     (Constraint("choice", '["a", ""]'), "non-empty strings"),
     (Constraint("json_schema", "[" * 50000 + "]" * 50000), "recursion"),
     (Constraint("choice", "[" * 50000 + "]" * 50000), "recursion"),
+    # No text at all: llguidance says so only at the first mask (it allowed eos alone: review 103).
+    (Constraint("regex", r"[^\s\S]"), "no text matches it"),
+    (Constraint("grammar", "start: /[^\\s\\S]/"), "no text matches it"),
+    (Constraint("regex", r"(ab)*[^\s\S]"), "no text matches it"),
 ])
 def test_uncompilable_constraints_raise_clear_errors(compiler, constraint, message):
     with pytest.raises(GrammarError, match=re.escape(message)):
@@ -238,6 +242,25 @@ def test_cache_is_keyed_by_constraint_and_bounded(smollm2_dir):
         compiler.compile(b)
         compiler.compile(c)  # evicts a, the least recently used
         assert compiler.compile(a) is not first
+    finally:
+        compiler.shutdown()
+
+
+def test_cache_is_bounded_by_its_constraints_text_too(smollm2_dir):
+    """A compiled grammar holds about 12 times its text: 256 big choice lists grew a worker by
+    ~9 GB when only the count was bounded (review 103). The newest entry stays whatever its size."""
+    compiler = GrammarCompiler.from_tokenizer_file(smollm2_dir / "tokenizer.json", 49152, [EOS], max_cached_chars=100)
+    try:
+        small = [Constraint("regex", f"{letter}+") for letter in "abcd"]  # 2 characters each
+        big = Constraint("choice", json.dumps(["x" * 60]))  # 66 characters
+        kept = [compiler.compile(c) for c in small]
+        first_big = compiler.compile(big)
+        assert [compiler.compile(c) for c in small[2:]] == kept[2:]  # 74 characters: all stay
+        huge = Constraint("regex", "y" * 150)  # over the budget alone
+        compiler.compile(huge)
+        assert list(compiler._cache) == [huge] and compiler._cached_chars == 150
+        assert compiler.compile(big) is not first_big  # compiled again
+        assert list(compiler._cache) == [big] and compiler._cached_chars == len(big.text)
     finally:
         compiler.shutdown()
 

@@ -216,6 +216,23 @@ def test_a_grammar_its_parser_refuses_says_so(runner, compiler):
     assert outputs[-1].error.startswith("no token was left") and outputs[-1].error_field == ""
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_grammar_that_reaches_a_dead_end_ends_with_its_error_not_a_stop(runner, compiler, smollm2, seed):
+    """The grammar's prefix is fine, then nothing can follow: llguidance's mask allows only eos,
+    which ended the output as a success ('{"k": ', finish STOP) breaking its constraint (review 103)."""
+    engine = new_engine(runner)
+    grammar = compiler.compile(Constraint("grammar", 'start: "{\\"k\\": " DEAD "}"\nDEAD: /[^\\s\\S]/'))
+    engine.add_request(1, PROMPT, SamplingParams(temperature=1.0, seed=seed), 50, [], False, grammar=grammar)
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    last = outputs[-1]
+    assert last.finish_reason == FinishReason.ERROR and last.error_field == "structured_output", last
+    assert "no text the grammar allows can follow" in last.error
+    assert text_of(smollm2, [o.token_id for o in outputs if o.token_id is not None]) == '{"k": '
+    assert last.stop_token_id is None
+
+
 def test_sampler_noise_never_overrides_a_mask():
     # A Gumbel draw of +inf (a uniform that rounded to 1.0) beat every -inf mask, grammar or filter:
     # ~0.35% of rows per step drew a forbidden token before counter_random clamped its uniforms.
