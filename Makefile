@@ -2,10 +2,15 @@
 # Both create .venv and install what they need on first use.
 #
 # TORCH_SPEC pins torch (the CPU build is what these machines carry). On a CUDA host,
-# override it with the build for your CUDA, e.g. make serve TORCH_SPEC="torch==2.13.0 --index-url <cuda wheel index>"
+# override it with the build for your CUDA, e.g. make serve TORCH_SPEC="torch==2.13.0 --index-url <cuda wheel index>";
+# the venv keeps it: later calls without TORCH_SPEC use the spec it was installed with.
 PYTHON ?= python3
 VENV ?= .venv
-TORCH_SPEC ?= torch==2.13.0
+DEFAULT_TORCH_SPEC := torch==2.13.0
+# The torch spec the venv was installed with (empty before the first install).
+TORCH_STAMP := $(VENV)/.torch-spec
+INSTALLED_TORCH_SPEC := $(shell cat $(TORCH_STAMP) 2>/dev/null)
+TORCH_SPEC ?= $(or $(INSTALLED_TORCH_SPEC),$(DEFAULT_TORCH_SPEC))
 PORT ?= 8000
 HOST ?= 127.0.0.1
 PY := $(VENV)/bin/python
@@ -16,17 +21,17 @@ SERVE_ARGS ?=
 
 .PHONY: FORCE install proto serve test test-fast lint bench bench-install bench-peers bench-loadgen bench-side-by-side bench-ttft gpu-bundle clean
 
-# The torch spec the venv was installed with: another TORCH_SPEC (a CUDA build after the CPU one)
-# reinstalls, where a stamp of the venv alone would keep the old torch without a word.
-TORCH_STAMP := $(VENV)/.torch-spec
-# pip alone would keep it: torch==2.13.0 is satisfied by 2.13.0+cpu and 2.13.0+cu128 alike, so a
-# changed spec first uninstalls the torch the venv has.
+# Another TORCH_SPEC than the venv's (a CUDA build after the CPU one) reinstalls, where a stamp of the
+# venv alone would keep the old torch without a word. pip alone would keep it too: torch==2.13.0 is
+# satisfied by 2.13.0+cpu and 2.13.0+cu128 alike, so a changed spec first uninstalls the torch the venv
+# has. Decided when the Makefile is read, so that `make -n` shows an install only where one would run.
+ifneq ($(TORCH_SPEC),$(INSTALLED_TORCH_SPEC))
 $(TORCH_STAMP): FORCE
+endif
+$(TORCH_STAMP):
 	@mkdir -p $(VENV)
-	@if ! echo '$(TORCH_SPEC)' | cmp -s - $@; then \
-	  if [ -f $@ ] && [ -x $(PY) ]; then $(PY) -m pip uninstall --quiet -y torch; fi; \
-	  echo '$(TORCH_SPEC)' > $@; \
-	fi
+	@if [ -f $@ ] && [ -x $(PY) ]; then $(PY) -m pip uninstall --quiet -y torch; fi
+	@echo '$(TORCH_SPEC)' > $@
 
 FORCE:
 

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--kernel", choices=sorted(LARGE_STEP_KERNELS), default="vdpbf16ps")
+    parser.add_argument("--kernel", choices=sorted(LARGE_STEP_KERNELS), default="vdpbf16ps",
+                        help="which of bf16_linear's matmuls for larger steps to time against oneDNN's")
     args, rest = parser.parse_known_args(argv[:split])
     rest += argv[split:]
     label = f"{args.kernel} kernel"
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
         return alternate_decode_steps(engine, steps, (label, "oneDNN"), set_mode)
 
     run_step_bench(__doc__, rest, f"| batch | {label} step ms (median / best) | oneDNN step ms (median / best) | "
-                   f"oneDNN / {args.kernel} |", bench_batch, ["--bf16-small-batch", "--cpu-bf16-matmul", "onednn"])
+                   f"oneDNN / {args.kernel} |", bench_batch, ["--bf16-small-batch", "--cpu-bf16-matmul", "onednn"],
+                   parents=[parser])
 
 
 if __name__ == "__main__":

@@ -18,13 +18,15 @@ BenchBatch = Callable[[object, int, int, int], dict[str, list[float]]]
 
 
 def run_step_bench(doc: str, argv: list[str] | None, header: str, bench_batch: BenchBatch,
-                   worker_flags: Sequence[str] = (), max_batch: int = 0) -> None:
+                   worker_flags: Sequence[str] = (), max_batch: int = 0,
+                   parents: Sequence[argparse.ArgumentParser] = ()) -> None:
     """header: the table's first line (batch, the two modes, the ratio); worker_flags: Config
-    flags this bench always needs; max_batch > 0: the largest batch size it can time."""
+    flags this bench always needs; max_batch > 0: the largest batch size it can time; parents:
+    the bench's own flags, read before (engine_bench_args)."""
     def add_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--steps", type=int, default=60, help="timed decode steps per batch size (half each mode)")
 
-    args, worker_args = engine_bench_args(doc, argv, add_args)
+    args, worker_args = engine_bench_args(doc, argv, add_args, parents)
     batches = args.batch_sizes
     if max_batch and max(batches) > max_batch:
         raise SystemExit(f"--batch-sizes: at most {max_batch} here")

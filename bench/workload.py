@@ -11,7 +11,7 @@ import asyncio
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -146,13 +146,14 @@ def workload_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         parser.error(str(exc))
 
 
-def engine_bench_args(doc: str, argv: list[str] | None,
-                      add_args: Callable[[argparse.ArgumentParser], None]) -> tuple[argparse.Namespace, list[str]]:
+def engine_bench_args(doc: str, argv: list[str] | None, add_args: Callable[[argparse.ArgumentParser], None],
+                      parents: Sequence[argparse.ArgumentParser] = ()) -> tuple[argparse.Namespace, list[str]]:
     """(this bench's args, the model worker Config flags after `--`) for the benches that build
-    an engine from the model worker's own flags; every one takes --batch-sizes."""
+    an engine from the model worker's own flags; every one takes --batch-sizes. parents: flags a
+    bench read before (so that --help lists them too)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0],
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0], parents=list(parents),
                                      epilog="Flags after -- go to the model worker's Config.")
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 32])
     add_args(parser)

@@ -15,7 +15,7 @@ class Config(WorkerServerOptions):
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=50052, metadata={"help": "gRPC port"})
-    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error", "choices": LOG_LEVELS})
+    log_level: str = field(default="info", metadata={"help": ", ".join(LOG_LEVELS), "choices": LOG_LEVELS})
     loop_stall_exit_s: float = stall_exit_field()
 
     def __post_init__(self) -> None:

@@ -67,7 +67,7 @@ class Config(SchedSliceOption):
     detok_warmup_timeout_s: float = field(default=10.0, metadata={
         "help": "before each detok stream opens, how long the replica may take to load the model's tokenizer "
                 "(one RenderTokens); past it the stream opens anyway and the first request waits for the load"})
-    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error", "choices": LOG_LEVELS})
+    log_level: str = field(default="info", metadata={"help": ", ".join(LOG_LEVELS), "choices": LOG_LEVELS})
     api_key: list[str] = field(default_factory=list, metadata={
         "help": "API keys clients must send (Authorization: Bearer KEY), comma-separated; empty: no check"})
     cors_allow_origins: list[str] = field(default_factory=list, metadata={

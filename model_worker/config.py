@@ -130,7 +130,7 @@ class Config(WorkerServerOptions):
     served_model_name: str = field(default="", metadata={"help": "model id to report; default from --model"})
     cache_dir: str = field(default_factory=_default_cache_dir, metadata={
         "help": "where converted GGUF models and built CPU kernels are cached"})
-    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error", "choices": LOG_LEVELS})
+    log_level: str = field(default="info", metadata={"help": ", ".join(LOG_LEVELS), "choices": LOG_LEVELS})
 
     def __post_init__(self) -> None:
         super().__post_init__()

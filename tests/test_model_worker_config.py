@@ -79,3 +79,21 @@ def test_log_level_is_taken_in_any_case():
 
     assert parse_config(GatewayConfig, ["--log-level", "WARNING"], env_prefix="TOKENWIRE_TEST_FLAGS_").log_level == \
         "warning"
+
+
+def test_help_shows_each_flags_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """The parser's own defaults are None (the environment comes between a flag and the field's
+    default), so argparse showed none; README sends operators to --help for them (review 104)."""
+    from gateway.config import Config as GatewayConfig
+    with pytest.raises(SystemExit):
+        parse_config(Config, ["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for text in ("(default: 32) [env TOKENWIRE_MAX_NUM_SEQS]", "(default: 2048) [env TOKENWIRE_MAX_NUM_BATCHED_TOKENS]",
+                 "(default: 1024) [env TOKENWIRE_MAX_WAITING_REQUESTS]"):
+        assert text in shown
+    with pytest.raises(SystemExit):
+        parse_config(GatewayConfig, ["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "(default: 127.0.0.1:50051)" in shown and "(default: 30) [env TOKENWIRE_DRAIN_GRACE_S]" in shown
+    assert "(default: off) [env TOKENWIRE_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE]" in shown
+    assert "[env TOKENWIRE_API_KEY]" in shown and "(default: ) [env TOKENWIRE_API_KEY]" not in shown  # empty: none

@@ -53,6 +53,27 @@ def _convert(tp: Any, raw: str) -> Any:
     return value
 
 
+def _default_text(field: dataclasses.Field) -> str:
+    """' (default: X)' for --help (the parser's own defaults are None, so that the environment
+    comes between a flag and the field's default); nothing for an empty one, whose meaning the
+    help says."""
+    if field.default is not dataclasses.MISSING:
+        value = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
+    else:
+        return ""
+    if isinstance(value, bool):
+        shown = "on" if value else "off"
+    elif isinstance(value, float):
+        shown = f"{value:g}"
+    elif isinstance(value, (list, tuple)):
+        shown = ",".join(str(v) for v in value)
+    else:
+        shown = str(value)
+    return f" (default: {shown})".replace("%", "%%") if shown else ""
+
+
 def parse_config(cls: type[ConfigT], argv: Sequence[str] | None = None, env_prefix: str = "TOKENWIRE_",
                  description: str | None = None) -> ConfigT:
     """Flags come from field names (max_num_seqs -> --max-num-seqs), help from field metadata.
@@ -67,14 +88,12 @@ def parse_config(cls: type[ConfigT], argv: Sequence[str] | None = None, env_pref
                                      description=description or (cls.__doc__ or "").strip())
     for field in dataclasses.fields(cls):
         tp = hints[field.name]
-        help_text = field.metadata.get("help", "")
-        env = _env_name(env_prefix, field.name)
+        help_text = f"{field.metadata.get('help', '')}{_default_text(field)} [env {_env_name(env_prefix, field.name)}]"
         if _base_type(tp) is bool:
             parser.add_argument(_flag(field.name), dest=field.name, default=None,
-                                action=argparse.BooleanOptionalAction, help=f"{help_text} [env {env}]")
+                                action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(_flag(field.name), dest=field.name, default=None,
-                                help=f"{help_text} [env {env}]")
+            parser.add_argument(_flag(field.name), dest=field.name, default=None, help=help_text)
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):

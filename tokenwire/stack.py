@@ -309,9 +309,10 @@ def one_host_worker_threads(num_model_workers: int = 1) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tokenwire.stack",
                                      description="Start model worker, detok worker(s) and gateway.")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the gateway's address (the workers stay on loopback: their gRPC has no API keys)")
     parser.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
-    parser.add_argument("--num-detok", type=int, default=1)
+    parser.add_argument("--num-detok", type=int, default=1, help="detok worker replicas")
     parser.add_argument("--num-model-workers", type=int, default=1,
                         help="model worker replicas (same flags); the gateway balances requests over them")
     parser.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",

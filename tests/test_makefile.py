@@ -1,0 +1,66 @@
+"""The Makefile's installs (README, Quick start), run against a stand-in venv whose python logs its
+calls: what each `make serve` / `make test` installs, and that a TORCH_SPEC given once stays."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+FAKE_PYTHON = """#!/bin/sh
+echo "$*" >> "$(dirname "$0")/../calls.log"
+"""
+CUDA = "torch==2.13.0 --index-url https://example.invalid/cu128"
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(REPOSITORY / name, tmp_path / name)
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    return tmp_path
+
+
+def make(checkout: Path, *args: str) -> list[str]:
+    """The stand-in python's calls during one make run."""
+    log = checkout / ".venv" / "calls.log"
+    log.unlink(missing_ok=True)
+    subprocess.run(["make", "-s", *args], cwd=checkout, check=True, capture_output=True, timeout=60)
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def torch_installs(calls: list[str]) -> list[str]:
+    return [c for c in calls if c.startswith("-m pip install --quiet torch") or "uninstall" in c]
+
+
+def test_a_torch_spec_given_once_stays_until_another_is_given(checkout: Path) -> None:
+    first = make(checkout, "serve")
+    assert torch_installs(first) == ["-m pip install --quiet torch==2.13.0"]
+    assert first[-1] == "-m tokenwire.stack --host 127.0.0.1 --port 8000"
+    assert torch_installs(make(checkout, "serve")) == []  # installed: nothing again
+    assert torch_installs(make(checkout, "serve", f"TORCH_SPEC={CUDA}")) == [
+        "-m pip uninstall --quiet -y torch", f"-m pip install --quiet {CUDA}"]
+    # A later call without the variable keeps the CUDA build (it reinstalled the CPU pin before).
+    for target in ("test", "serve"):
+        calls = make(checkout, target)
+        assert not any("pip" in c for c in calls), calls
+    assert (checkout / ".venv" / ".torch-spec").read_text().strip() == CUDA
+    assert torch_installs(make(checkout, "serve", "TORCH_SPEC=torch==2.13.0")) == [
+        "-m pip uninstall --quiet -y torch", "-m pip install --quiet torch==2.13.0"]
+
+
+def test_a_dry_run_shows_an_install_only_where_one_would_run(checkout: Path) -> None:
+    make(checkout, "serve")
+    dry = subprocess.run(["make", "-n", "serve"], cwd=checkout, check=True, capture_output=True, text=True).stdout
+    assert "pip" not in dry and "tokenwire.stack" in dry
+    dry = subprocess.run(["make", "-n", "serve", f"TORCH_SPEC={CUDA}"], cwd=checkout, check=True,
+                         capture_output=True, text=True).stdout
+    assert f"pip install --quiet {CUDA}" in dry
