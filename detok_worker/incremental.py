@@ -101,7 +101,8 @@ class WindowDetokenizer:
     Metaspace strip the space of the first token they see, so the window always starts one
     step back (or in the prompt tail) to decode the next piece with its leading space."""
 
-    __slots__ = ("_tokenizer", "_vocab_size", "_skip_special_tokens", "_byte_fallback_ids", "_context_id", "_skipped_ids",
+    __slots__ = ("_tokenizer", "_vocab_size", "_skip_special_tokens", "_byte_fallback_ids", "_byte_fallback_bytes",
+                 "_context_id", "_skipped_ids",
                  "_ids", "_read_offset", "_prefix_text", "_window_before_feed", "_window_len_before_feed",
                  "_read_offset_before_feed", "_prefix_text_before_feed")
 
@@ -111,6 +112,7 @@ class WindowDetokenizer:
         self._vocab_size = decoding.vocab_size
         self._skip_special_tokens = skip_special_tokens
         self._byte_fallback_ids = decoding.byte_fallback_ids
+        self._byte_fallback_bytes = decoding.byte_fallback_bytes
         self._context_id = decoding.context_id
         # Skipped special tokens never reach the decoder, so they do not end a byte run.
         self._skipped_ids: frozenset[int] = decoding.special_ids if skip_special_tokens else frozenset()
@@ -175,6 +177,20 @@ class WindowDetokenizer:
         self._prefix_text = self._decode(self._ids)
         return delta
 
+    def _open_run_cut(self, text: str) -> str:
+        """The window's text where it ends in a byte-fallback run cut inside a character: the
+        text before the run, then the run's bytes with the unfinished character left out.
+        ByteFallback turns every byte of a run that is not whole UTF-8 into U+FFFD, the run's
+        complete characters too ('ok 👍' plus a lead byte decoded 'ok �����'), where vLLM's
+        detokenizer has emitted 👍 already. Other windows: text as it is."""
+        start = len(self._ids)
+        while start and (self._ids[start - 1] in self._byte_fallback_ids or self._ids[start - 1] in self._skipped_ids):
+            start -= 1
+        run = [self._byte_fallback_bytes[t] for t in self._ids[start:] if t in self._byte_fallback_bytes]
+        if not run:
+            return text
+        return self._decode(self._ids[:start]) + codecs.utf_8_decode(bytes(run), "replace", False)[0]
+
     def _in_byte_run(self) -> bool:
         if not self._byte_fallback_ids:
             return False
@@ -190,10 +206,12 @@ class WindowDetokenizer:
         self._prefix_text_before_feed = self._prefix_text
 
     def finish(self) -> str:
-        """The held text, less a character the output ended inside (trailing U+FFFD), which
-        vLLM's and TGI's detokenizers never emit either."""
+        """The held text, less a character the output ended inside, which vLLM's and TGI's
+        detokenizers never emit either (nor any trailing U+FFFD: they hold text that ends in one)."""
         self._remember_window()
-        text = self._decode(self._ids).rstrip(REPLACEMENT_CHAR)
+        text = self._decode(self._ids)
+        if text.endswith(REPLACEMENT_CHAR):
+            text = self._open_run_cut(text).rstrip(REPLACEMENT_CHAR)
         delta = text[len(self._prefix_text):]
         self._ids = []
         self._read_offset = 0

@@ -134,6 +134,8 @@ class TokenizerDecoding:
         # Ids of "<0xNN>" pieces that the decoder turns into raw bytes (SentencePiece byte
         # fallback, as in Llama-2, Mistral, Gemma); empty for other tokenizers.
         self.byte_fallback_ids: frozenset[int] = frozenset()
+        # Each of those ids' byte.
+        self.byte_fallback_bytes: dict[int, int] = {}
         self.special_ids: frozenset[int] = frozenset()
         if isinstance(tokenizer, tiktoken.Encoding):
             self.vocab_size = tokenizer.max_token_value + 1
@@ -148,9 +150,10 @@ class TokenizerDecoding:
         if is_byte_level(tokenizer):
             self.token_bytes = {skip: build_token_bytes(tokenizer, skip, use_tiktoken) for skip in (False, True)}
         elif '"ByteFallback"' in json.dumps(json.loads(tokenizer.to_str()).get("decoder")):
-            self.byte_fallback_ids = frozenset(
-                token_id for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items()
-                if _BYTE_PIECE.fullmatch(token))
+            self.byte_fallback_bytes = {token_id: int(token[3:5], 16)
+                                        for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items()
+                                        if _BYTE_PIECE.fullmatch(token)}
+            self.byte_fallback_ids = frozenset(self.byte_fallback_bytes)
             # A plain one-letter token, to stand as the text before an output whose prompt tail was
             # nothing but an unfinished character (WindowDetokenizer): decoders that strip the first
             # piece's space (Llama's, Metaspace) would otherwise take the output's first space.

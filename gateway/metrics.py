@@ -241,8 +241,9 @@ class RequestTimer:
         if m is None or self.refused:
             return
         now = time.perf_counter()
-        if self.num_output_tokens:  # some output came: its prompt was run (one that left in the queue, not)
-            m.prompt_tokens.inc(self.num_prompt_tokens)
+        # The prompts some output came for were run (a batch's prompts still queued when it ended, not).
+        ran = {index // self.n for index in self.num_output_tokens}
+        m.prompt_tokens.inc(sum(length for prompt, length in enumerate(self.prompt_lens) if prompt in ran))
         m.generation_tokens.inc(self.total_output_tokens)
         for index in sorted(set(range(self.num_choices)) | self.finish_reasons.keys()):
             # A choice that never finished (its client left, its time ran out, it failed) is an

@@ -179,8 +179,9 @@ class ChatMessage(_Lenient):
 
 
 class JsonSchemaFormat(_Lenient):
-    # Required, with OpenAI's pattern, as OpenAI and vLLM require it.
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    # Required, as OpenAI and vLLM require it; any string, as vLLM takes it (OpenAI's own pattern,
+    # letters, digits, _ and - up to 64, refused names vLLM's clients send: review 105).
+    name: str
     description: str | None = None
     # OpenAI's field is `schema`, which shadows BaseModel.schema: hence the alias.
     schema_: dict[str, Any] = Field(alias="schema", default_factory=dict)
@@ -475,9 +476,27 @@ def closed_objects(schema: Any) -> Any:
     patternProperties) and says nothing of others: vLLM's disable_additional_properties rule, and
     what its default backend (xgrammar, strict) decodes. Plain JSON Schema lets such an object take
     any other key, and llguidance follows it: a forced tool call wandered into keys nobody declared
-    and ran to max_tokens (review 103)."""
+    and ran to max_tokens (review 103). A schema that composes objects (allOf, or a $ref beside
+    properties) is left as sent: each part closed would refuse the other parts' keys, and a base
+    object plus its own properties became unsatisfiable (review 105)."""
+    return schema if _composes_objects(schema) else _closed(schema)
+
+
+def _composes_objects(schema: Any) -> bool:
     if isinstance(schema, list):
-        return [closed_objects(item) for item in schema]
+        return any(_composes_objects(item) for item in schema)
+    if not isinstance(schema, dict):
+        return False
+    if "allOf" in schema or ("$ref" in schema and ("properties" in schema or "patternProperties" in schema)):
+        return True
+    return any(_composes_objects(list(value.values()) if key in _SCHEMA_MAP_KEYWORDS and isinstance(value, dict)
+                                 else value)
+               for key, value in schema.items() if key not in _SCHEMA_DATA_KEYWORDS)
+
+
+def _closed(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
     closed: dict[str, Any] = {}
@@ -485,9 +504,9 @@ def closed_objects(schema: Any) -> Any:
         if key in _SCHEMA_DATA_KEYWORDS:
             closed[key] = value
         elif key in _SCHEMA_MAP_KEYWORDS and isinstance(value, dict):
-            closed[key] = {name: closed_objects(sub) for name, sub in value.items()}
+            closed[key] = {name: _closed(sub) for name, sub in value.items()}
         else:
-            closed[key] = closed_objects(value)
+            closed[key] = _closed(value)
     if ("properties" in schema or "patternProperties" in schema) and "additionalProperties" not in schema:
         closed["additionalProperties"] = False
     return closed

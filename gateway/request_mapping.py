@@ -114,6 +114,15 @@ def bad_word_sequences(words: Sequence[str], encode_words: EncodeWords) -> list[
 
 def structured_output(body: GenerationRequest) -> model_worker_pb2.StructuredOutput | None:
     """The one output constraint the body names (the request models refuse two), or None."""
+    try:
+        return _structured_output(body)
+    except RecursionError:  # a schema nested deeper than Python's stack, in json.dumps or closed_objects: not a 500
+        field = next((name for name in ("structured_outputs", "response_format", "guided_json")
+                      if getattr(body, name, None) is not None), "tools")
+        raise invalid_request("the JSON schema is nested too deeply", param=field) from None
+
+
+def _structured_output(body: GenerationRequest) -> model_worker_pb2.StructuredOutput | None:
     so = model_worker_pb2.StructuredOutput
     tool_schema = body.tool_call_schema() if isinstance(body, ChatCompletionRequest) else None
     if tool_schema is not None:

@@ -124,9 +124,21 @@ def finished_text(decoding: TokenizerDecoding, one_shot: str, ids: list[int], sk
     """What the detok worker's deltas of a finished output concatenate to: the one-shot decode
     of its ids (one_shot) less a character the output ended inside, which the one-shot decode
     shows as U+FFFD and vLLM's detokenizers never emit. Byte-level: the ids' bytes decoded with
-    an unfinished last character left out (a U+FFFD for an invalid byte stays). Otherwise: the
-    decode less its trailing U+FFFDs, as the window path holds them back."""
+    an unfinished last character left out (a U+FFFD for an invalid byte stays). Otherwise the
+    decode less its trailing U+FFFDs (held back, as vLLM holds them), where a byte-fallback run
+    it ends in counts by its bytes (ByteFallback makes every byte of a run cut inside a character
+    U+FFFD, its complete characters too)."""
     if decoding.token_bytes is None:
+        if not one_shot.endswith(REPLACEMENT_CHAR) or decoding.tokenizer is None:
+            return one_shot.rstrip(REPLACEMENT_CHAR)
+        skipped = decoding.special_ids if skip_special_tokens else frozenset()
+        start = len(ids)
+        while start and (ids[start - 1] in decoding.byte_fallback_ids or ids[start - 1] in skipped):
+            start -= 1
+        run = bytes(decoding.byte_fallback_bytes[i] for i in ids[start:] if i in decoding.byte_fallback_bytes)
+        if run:
+            head = decoding.tokenizer.decode(ids[:start], skip_special_tokens=skip_special_tokens) if start else ""
+            one_shot = head + codecs.utf_8_decode(run, "replace", False)[0]
         return one_shot.rstrip(REPLACEMENT_CHAR)
     data = decoding.token_bytes[skip_special_tokens].decode(np.asarray(ids, dtype=np.int64))
     text = codecs.utf_8_decode(data, "replace", False)[0]

@@ -114,7 +114,14 @@ async def test_a_request_that_ends_before_any_output_counts_unless_the_model_wor
     assert sample(text, "tokenwire:request_success_total", finished_reason="abort") == 2
     assert sample(text, "tokenwire:e2e_request_latency_seconds_count") == 2
     assert sample(text, "tokenwire:prompt_tokens_total") == 0
-    for status, aborts in ((429, 2), (400, 2), (503, 3)):
+    # A batch whose first prompt had output and whose second was still queued: only the first ran (review 105).
+    stream = metered(events(), RequestTimer(metrics, prompt_lens=[5, 700], n=2))
+    await anext(stream)  # choice 0, of prompt 0
+    await stream.aclose()
+    assert sample(metrics.render().decode(), "tokenwire:prompt_tokens_total") == 5
+    aborts = sample(metrics.render().decode(), "tokenwire:request_success_total", finished_reason="abort")
+    assert aborts == 6  # the 2 choices before, and these 4
+    for status, aborts in ((429, 6), (400, 6), (503, 7)):
         with pytest.raises(APIError):
             await anext(metered(failing(status), RequestTimer(metrics, prompt_lens=[3])))
         assert sample(metrics.render().decode(), "tokenwire:request_success_total", finished_reason="abort") == aborts

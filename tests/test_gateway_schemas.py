@@ -75,10 +75,8 @@ def test_unknown_fields_are_ignored() -> None:
     {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
     {"response_format": {"type": "xml"}},
     {"response_format": {"type": "json_schema"}}, {"stream": "sometimes"}, {"stop_token_ids": [-1]},
-    # OpenAI's and vLLM's json_schema needs a name of at most 64 letters, digits, _ and - (review 103).
+    # OpenAI's and vLLM's json_schema needs a name (review 103).
     {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "has space", "schema": {}}}},
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "n" * 65, "schema": {}}}},
     {"min_p": 1.5}, {"typical_p": 0}, {"repetition_penalty": 0}, {"min_tokens": -1},
     {"min_tokens": 5, "max_tokens": 4}, {"allowed_token_ids": []}, {"allowed_token_ids": [-3]},
     {"bad_words": [""]}, {"bad_words": ["ok", " "]}, {"best_of": 1, "n": 2}, {"prompt_logprobs": -1}, {"guided_choice": []},
@@ -485,6 +483,29 @@ def test_closed_objects_follow_vllms_disable_additional_properties() -> None:
     assert inner["data"] == {"const": {"properties": {}}, "default": {"properties": {}}}
     assert closed["$defs"]["d"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the input is not changed
+    # Composed objects stay as sent: closed, a base and its extension would refuse each other's keys.
+    composed = {"type": "object", "allOf": [{"$ref": "#/$defs/Base"}], "properties": {"city": {"type": "string"}},
+                "required": ["city", "id"], "$defs": {"Base": {"type": "object", "properties": {"id": {}}}}}
+    assert closed_objects(composed) == composed
+    beside = {"type": "object", "properties": {"a": {"$ref": "#/$defs/B", "properties": {"c": {}}}},
+              "$defs": {"B": {"properties": {"b": {}}}}}
+    assert closed_objects(beside) == beside
+    # A property named allOf is a name, not composition.
+    named = closed_objects({"type": "object", "properties": {"allOf": {"type": "string"}}})
+    assert named["additionalProperties"] is False
+
+
+def test_a_schema_nested_past_pythons_stack_is_a_400() -> None:
+    """A RecursionError in the mapping (json.dumps) answered 500 (review 105)."""
+    deep: dict = {"type": "object"}
+    for _ in range(2000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    for fields, param in (({"structured_outputs": {"json": deep}}, "structured_outputs"),
+                          ({"guided_json": deep}, "guided_json")):
+        with pytest.raises(APIError) as info:
+            add_for(chat(**fields))
+        assert (info.value.status, info.value.param) == (400, param)
+        assert "nested too deeply" in info.value.message
 
 
 def test_forced_calls_take_only_the_declared_keys() -> None:

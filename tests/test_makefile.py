@@ -12,6 +12,7 @@ import pytest
 REPOSITORY = Path(__file__).resolve().parent.parent
 FAKE_PYTHON = """#!/bin/sh
 echo "$*" >> "$(dirname "$0")/../calls.log"
+case "$*" in *invalid-index*) exit 1;; esac
 """
 CUDA = "torch==2.13.0 --index-url https://example.invalid/cu128"
 
@@ -29,11 +30,12 @@ def checkout(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def make(checkout: Path, *args: str) -> list[str]:
-    """The stand-in python's calls during one make run."""
+def make(checkout: Path, *args: str, ok: bool = True) -> list[str]:
+    """The stand-in python's calls during one make run (which fails unless ok)."""
     log = checkout / ".venv" / "calls.log"
     log.unlink(missing_ok=True)
-    subprocess.run(["make", "-s", *args], cwd=checkout, check=True, capture_output=True, timeout=60)
+    done = subprocess.run(["make", "-s", *args], cwd=checkout, capture_output=True, timeout=60)
+    assert (done.returncode == 0) == ok, done.stderr
     return log.read_text().splitlines() if log.exists() else []
 
 
@@ -55,6 +57,25 @@ def test_a_torch_spec_given_once_stays_until_another_is_given(checkout: Path) ->
     assert (checkout / ".venv" / ".torch-spec").read_text().strip() == CUDA
     assert torch_installs(make(checkout, "serve", "TORCH_SPEC=torch==2.13.0")) == [
         "-m pip uninstall --quiet -y torch", "-m pip install --quiet torch==2.13.0"]
+
+
+def test_a_venv_on_the_pin_follows_it_when_it_moves(checkout: Path) -> None:
+    make(checkout, "serve")
+    makefile = checkout / "Makefile"
+    makefile.write_text(makefile.read_text().replace("DEFAULT_TORCH_SPEC := torch==2.13.0",
+                                                     "DEFAULT_TORCH_SPEC := torch==2.14.0"))
+    assert torch_installs(make(checkout, "serve")) == [
+        "-m pip uninstall --quiet -y torch", "-m pip install --quiet torch==2.14.0"]
+
+
+def test_a_spec_that_failed_to_install_is_not_kept(checkout: Path) -> None:
+    make(checkout, "serve")
+    bad = "torch==2.13.0 --index-url https://invalid-index.example/cu128"
+    assert torch_installs(make(checkout, "serve", f"TORCH_SPEC={bad}", ok=False)) == [
+        "-m pip uninstall --quiet -y torch", f"-m pip install --quiet {bad}"]
+    # The next plain call goes back to the pin (it retried the mistyped index for good before: review 105).
+    assert torch_installs(make(checkout, "test")) == ["-m pip install --quiet torch==2.13.0"]
+    assert torch_installs(make(checkout, "serve")) == []
 
 
 def test_a_dry_run_shows_an_install_only_where_one_would_run(checkout: Path) -> None:
