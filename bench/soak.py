@@ -424,6 +424,11 @@ def main() -> int:
         # many sequences shared its steps, and a replay in other company may differ: the replay
         # check is of the batch-independent path unless asked otherwise.
         worker_args += ["--int4-small-batch", "off"]
+    if not {"--cpu-bf16-matmul", "--batch-invariant", "--dtype", "--device"} & set(worker_args):
+        # oneDNN, which auto takes where it times faster, sums a row otherwise with the step's row
+        # count: replays under load differed from their runs alone (review 106). (The kernels are a
+        # CPU bfloat16 path: with another dtype or device the caller chooses.)
+        worker_args += ["--cpu-bf16-matmul", "kernels"]
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
             model_dir = build_tiny_model(Path(tmp), Path(args.cache_dir))

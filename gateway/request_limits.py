@@ -59,8 +59,11 @@ async def with_deadline(events: AsyncGenerator[T, None], timeout_s: float) -> As
 
     One timer for the whole request, where an asyncio.timeout around each event costs a timer
     scheduled and cancelled per token (4 us of the gateway's ~100 us a token at 32 streams,
-    measured). Like asyncio.timeout, the timer cancels the task only while it waits for the
-    next event; past the deadline between events, the next wait is not started."""
+    measured). Like asyncio.timeout, the timer cancels the task while it waits for the next
+    event. Past the deadline between events (the consumer busy, or blocked sending to a client
+    that reads slowly), the timer closes the inner stream itself, so the request stops at the
+    model worker then, not once the client has read what was sent (a slowly read stream ran 10 s
+    past a 20 s timeout: review 106), and the next wait is not started."""
     if timeout_s <= 0:
         async with aclosing(events):
             async for event in events:
@@ -69,14 +72,17 @@ async def with_deadline(events: AsyncGenerator[T, None], timeout_s: float) -> As
     loop = asyncio.get_running_loop()
     waiting: asyncio.Task | None = None  # the task awaiting the next event, if one is
     cancelled: asyncio.Task | None = None  # the task the timer cancelled, until that is taken back
+    closing: asyncio.Task | None = None  # the timer's close of the inner stream, when nobody waited on it
     expired = False
 
     def expire() -> None:
-        nonlocal expired, cancelled
+        nonlocal expired, cancelled, closing
         expired = True
         if waiting is not None:
             waiting.cancel()
             cancelled = waiting
+        else:  # suspended between events: the inner stream is not running, so it can be closed now
+            closing = loop.create_task(events.aclose())
 
     def timed_out() -> APIError:
         return APIError(504, f"the request did not finish within this server's request timeout of {timeout_s:g} s",
@@ -84,29 +90,30 @@ async def with_deadline(events: AsyncGenerator[T, None], timeout_s: float) -> As
 
     timer = loop.call_at(loop.time() + timeout_s, expire)
     try:
-        async with aclosing(events):
-            while True:
-                if expired:
-                    raise timed_out()
-                # The consumer's task can change (the route awaits the first event, Starlette's
-                # response task the rest), so it is taken at every wait.
-                waiting = asyncio.current_task()
-                try:
-                    event = await anext(events)
-                except StopAsyncIteration:
-                    return
-                except asyncio.CancelledError:
-                    # Ours only when the timer cancelled the task and nobody else also did.
-                    if cancelled is not None:
-                        others = cancelled.uncancel()
-                        cancelled = None
-                        if others == 0:
-                            raise timed_out() from None
-                    raise
-                finally:
-                    waiting = None
-                yield event
+        while True:
+            if expired:
+                raise timed_out()
+            # The consumer's task can change (the route awaits the first event, Starlette's
+            # response task the rest), so it is taken at every wait.
+            waiting = asyncio.current_task()
+            try:
+                event = await anext(events)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                # Ours only when the timer cancelled the task and nobody else also did.
+                if cancelled is not None:
+                    others = cancelled.uncancel()
+                    cancelled = None
+                    if others == 0:
+                        raise timed_out() from None
+                raise
+            finally:
+                waiting = None
+            yield event
     finally:
         timer.cancel()
         if cancelled is not None:  # the inner stream swallowed the timer's cancel: take it back
             cancelled.uncancel()
+        # The inner stream closes once (aclosing's close would meet the timer's still running).
+        await (closing if closing is not None else events.aclose())

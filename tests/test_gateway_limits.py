@@ -110,6 +110,60 @@ def test_deadline_between_events_ends_the_stream_at_the_next_wait():
     assert got == [0] and error.status == 504
 
 
+def test_deadline_while_the_consumer_is_blocked_closes_the_inner_stream_at_once():
+    """The consumer blocked between events (sending to a client that reads slowly): the request
+    stopped at the model worker only once the client had read on, 10 s past a 20 s timeout
+    (review 106). Now the timer closes the inner stream itself, and the next wait is the 504."""
+    closed_at: list[float] = []
+
+    async def endless():
+        try:
+            while True:
+                yield 1
+                await asyncio.sleep(0.01)
+        finally:
+            closed_at.append(asyncio.get_running_loop().time())
+
+    async def run() -> tuple[float, float, APIError]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        events = with_deadline(endless(), 0.05)
+        assert await anext(events) == 1
+        await asyncio.sleep(0.3)  # blocked in send, past the deadline
+        resumed = loop.time()
+        with pytest.raises(APIError) as info:
+            await anext(events)
+        await events.aclose()
+        return started, resumed, info.value
+
+    started, resumed, error = asyncio.run(run())
+    assert error.status == 504
+    assert len(closed_at) == 1 and closed_at[0] - started < 0.2 and closed_at[0] < resumed
+
+
+def test_deadline_while_blocked_then_the_client_leaves_closes_the_inner_stream_once():
+    closes = 0
+
+    async def endless():
+        nonlocal closes
+        try:
+            while True:
+                yield 1
+                await asyncio.sleep(0.01)
+        finally:
+            await asyncio.sleep(0.02)  # an abort that takes a moment: the consumer's close comes meanwhile
+            closes += 1
+
+    async def run() -> None:
+        events = with_deadline(endless(), 0.05)
+        assert await anext(events) == 1
+        await asyncio.sleep(0.06)  # the timer's close is under way
+        await events.aclose()  # the client left
+
+    asyncio.run(run())
+    assert closes == 1
+
+
 def test_deadline_follows_the_consumer_to_another_task():
     """The route awaits the first event in its task, Starlette's response task the rest."""
     async def slow():
