@@ -134,6 +134,14 @@ class GatewayMetrics:
         return generate_latest(_WithModelName(self.registry, self.model_name))
 
 
+# (name, help, WorkerLoad field) of the model workers' running totals.
+_WORKER_TOTALS = (
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queried_tokens"),
+    ("prefix_cache_hits", "Prompt tokens served from the prefix cache", "prefix_cache_hit_tokens"),
+    ("num_preemptions", "Sequences preempted (their KV blocks freed, recomputed later)", "num_preemptions"),
+)
+
+
 class _WorkerTotals:
     """The model workers' own running totals, as counters (a worker that restarts starts again at
     0, which Prometheus reads as a counter reset)."""
@@ -142,12 +150,8 @@ class _WorkerTotals:
         self.loads = loads
 
     def collect(self) -> list[Metric]:
-        totals = [("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queried_tokens"),
-                  ("prefix_cache_hits", "Prompt tokens served from the prefix cache", "prefix_cache_hit_tokens"),
-                  ("num_preemptions", "Sequences preempted (their KV blocks freed, recomputed later)",
-                   "num_preemptions")]
         families = []
-        for name, documentation, field_name in totals:
+        for name, documentation, field_name in _WORKER_TOTALS:
             family = CounterMetricFamily(f"{PREFIX}{name}", documentation, labels=["worker"])
             for worker, load in self.loads.items():
                 family.add_metric([worker], getattr(load, field_name))
@@ -189,8 +193,6 @@ class RequestTimer:
     num_output_tokens: dict[int, int] = field(default_factory=dict)
     finish_reasons: dict[int, str] = field(default_factory=dict)
     finished_at: dict[int, float] = field(default_factory=dict)
-    # Per prompt: its tokens the prefix cache served (the most any of its choices reports).
-    num_cached_prompt_tokens: dict[int, int] = field(default_factory=dict)
     # The model worker refused it (400, 429) before any output: then nothing counts, as vLLM's
     # engine counts only what it took.
     refused: bool = False
@@ -226,9 +228,6 @@ class RequestTimer:
                         m.inter_token_latency.observe(gap)
             self.last_token_at[index] = now
         self.num_output_tokens[index] = event.num_output_tokens
-        prompt = index // self.n
-        self.num_cached_prompt_tokens[prompt] = max(self.num_cached_prompt_tokens.get(prompt, 0),
-                                                    event.num_cached_prompt_tokens)
         if event.finish_reason is not None:
             self.finish_reasons[index] = event.finish_reason
             self.finished_at[index] = now
@@ -266,15 +265,13 @@ async def metered(events: EventStream, timer: RequestTimer) -> EventStream:
     """The same (index, event) pairs, timed; closing it closes (and so aborts) the inner stream.
     A request that ends before any output counts (as aborted choices) unless the model worker
     refused it: a client that left it waiting in the queue, or whose time ran out there, shows."""
-    answered = False
     try:
         async with aclosing(events):
             async for index, event in events:
-                answered = True
                 timer.observe(index, event)
                 yield index, event
     except APIError as exc:
-        timer.refused = not answered and exc.status < 500
+        timer.refused = not timer.num_output_tokens and exc.status < 500  # no event came before it
         raise
     finally:
         timer.finish()

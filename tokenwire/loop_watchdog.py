@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
-import logging
 import os
 import sys
 import threading
@@ -28,12 +27,8 @@ import time
 from dataclasses import field
 from typing import Any
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_STALL_EXIT_S = 60.0
 BEAT_PERIOD_S = 1.0
-# os._exit: the loop's thread cannot be stopped or joined. Tests replace it.
-exit_process = os._exit
 
 
 def stall_exit_field() -> Any:
@@ -95,4 +90,4 @@ class LoopWatchdog:
               f"{self.stall_exit_s:g}): exiting with status 1 to be restarted; every thread's stack:",
               file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        exit_process(1)
+        os._exit(1)  # not sys.exit: the stalled loop's thread cannot be stopped or joined
