@@ -160,7 +160,7 @@ class _WorkerTotals:
 
 
 class _WithModelName:
-    """The registry's series, each with a model_name label first, as vLLM labels all of its own."""
+    """The registry's series, each with a model_name label, as vLLM labels all of its own."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         self.registry = registry
