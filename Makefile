@@ -14,9 +14,18 @@ TORCH_STAMP := $(VENV)/.torch-spec
 TORCH_GIVEN_STAMP := $(VENV)/.torch-spec-given
 INSTALLED_TORCH_SPEC := $(shell cat $(TORCH_STAMP) 2>/dev/null)
 ifeq ($(origin TORCH_SPEC),undefined)
-TORCH_SPEC := $(if $(wildcard $(TORCH_GIVEN_STAMP)),$(INSTALLED_TORCH_SPEC),$(DEFAULT_TORCH_SPEC))
+ifneq ($(wildcard $(TORCH_GIVEN_STAMP)),)
+TORCH_SPEC := $(INSTALLED_TORCH_SPEC)
+TORCH_SPEC_GIVEN := 1
+else
+TORCH_SPEC := $(DEFAULT_TORCH_SPEC)
+endif
 else
 TORCH_SPEC_GIVEN := 1
+# Given again as the venv has it (installed before there was a given-stamp): marked given now.
+ifeq ($(TORCH_SPEC),$(INSTALLED_TORCH_SPEC))
+$(shell touch $(TORCH_GIVEN_STAMP))
+endif
 endif
 PORT ?= 8000
 HOST ?= 127.0.0.1

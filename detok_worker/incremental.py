@@ -182,14 +182,17 @@ class WindowDetokenizer:
         text before the run, then the run's bytes with the unfinished character left out.
         ByteFallback turns every byte of a run that is not whole UTF-8 into U+FFFD, the run's
         complete characters too ('ok 👍' plus a lead byte decoded 'ok �����'), where vLLM's
-        detokenizer has emitted 👍 already. Other windows: text as it is."""
+        detokenizer has emitted 👍 already. Other windows, and a run with an invalid byte (whose
+        text is ByteFallback's U+FFFDs, which vLLM holds back as well): text as it is."""
         start = len(self._ids)
         while start and (self._ids[start - 1] in self._byte_fallback_ids or self._ids[start - 1] in self._skipped_ids):
             start -= 1
         run = [self._byte_fallback_bytes[t] for t in self._ids[start:] if t in self._byte_fallback_bytes]
-        if not run:
-            return text
-        return self._decode(self._ids[:start]) + codecs.utf_8_decode(bytes(run), "replace", False)[0]
+        try:
+            run_text = codecs.utf_8_decode(bytes(run), "strict", False)[0] if run else None
+        except UnicodeDecodeError:
+            run_text = None
+        return text if run_text is None else self._decode(self._ids[:start]) + run_text
 
     def _in_byte_run(self) -> bool:
         if not self._byte_fallback_ids:

@@ -478,20 +478,31 @@ def closed_objects(schema: Any) -> Any:
     any other key, and llguidance follows it: a forced tool call wandered into keys nobody declared
     and ran to max_tokens (review 103). A schema that composes objects (allOf, or a $ref beside
     properties) is left as sent: each part closed would refuse the other parts' keys, and a base
-    object plus its own properties became unsatisfiable (review 105)."""
+    object plus its own properties became unsatisfiable (review 105). An allOf of one schema and
+    nothing beside it (a $ref wrapped to carry a description) composes nothing and is closed."""
     return schema if _composes_objects(schema) else _closed(schema)
 
 
 def _composes_objects(schema: Any) -> bool:
-    if isinstance(schema, list):
-        return any(_composes_objects(item) for item in schema)
-    if not isinstance(schema, dict):
-        return False
-    if "allOf" in schema or ("$ref" in schema and ("properties" in schema or "patternProperties" in schema)):
-        return True
-    return any(_composes_objects(list(value.values()) if key in _SCHEMA_MAP_KEYWORDS and isinstance(value, dict)
-                                 else value)
-               for key, value in schema.items() if key not in _SCHEMA_DATA_KEYWORDS)
+    """Whether any object schema in it is made of parts: an allOf of two or more, or beside
+    properties of its own, or a $ref beside properties. Walked with a stack of its own, as deep
+    as json.loads reads (recursion cost frames a level: a 200-deep tool schema was a 500)."""
+    pending = [schema]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            own = "properties" in value or "patternProperties" in value
+            parts = value.get("allOf")
+            if (isinstance(parts, list) and (len(parts) > 1 or own)) or ("$ref" in value and own):
+                return True
+            for key, sub in value.items():
+                if key in _SCHEMA_MAP_KEYWORDS and isinstance(sub, dict):
+                    pending.extend(sub.values())
+                elif key not in _SCHEMA_DATA_KEYWORDS:
+                    pending.append(sub)
+    return False
 
 
 def _closed(schema: Any) -> Any:
@@ -581,7 +592,10 @@ class ChatCompletionRequest(_ChatTemplateFields, _GenerationRequest):
             if self.use_beam_search:
                 raise ParamError("tool_choice", "a forced tool call is structured output, which beam search "
                                                 "cannot apply")
-            self.tool_call_schema()  # refuses tools whose $defs clash, here rather than mid-request
+            try:
+                self.tool_call_schema()  # refuses tools whose $defs clash, here rather than mid-request
+            except RecursionError:  # nested past Python's stack: a 400, not a 500 (review 107)
+                raise ParamError("tools", "a tool's JSON schema is nested too deeply") from None
         return self
 
     def lets_model_choose_tool(self) -> bool:

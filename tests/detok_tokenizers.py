@@ -136,9 +136,13 @@ def finished_text(decoding: TokenizerDecoding, one_shot: str, ids: list[int], sk
         while start and (ids[start - 1] in decoding.byte_fallback_ids or ids[start - 1] in skipped):
             start -= 1
         run = bytes(decoding.byte_fallback_bytes[i] for i in ids[start:] if i in decoding.byte_fallback_bytes)
-        if run:
+        try:  # only a run that is whole UTF-8 up to its unfinished end: one with an invalid byte stays U+FFFDs
+            run_text = codecs.utf_8_decode(run, "strict", False)[0] if run else None
+        except UnicodeDecodeError:
+            run_text = None
+        if run_text is not None:
             head = decoding.tokenizer.decode(ids[:start], skip_special_tokens=skip_special_tokens) if start else ""
-            one_shot = head + codecs.utf_8_decode(run, "replace", False)[0]
+            one_shot = head + run_text
         return one_shot.rstrip(REPLACEMENT_CHAR)
     data = decoding.token_bytes[skip_special_tokens].decode(np.asarray(ids, dtype=np.int64))
     text = codecs.utf_8_decode(data, "replace", False)[0]

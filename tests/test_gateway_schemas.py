@@ -490,16 +490,33 @@ def test_closed_objects_follow_vllms_disable_additional_properties() -> None:
     beside = {"type": "object", "properties": {"a": {"$ref": "#/$defs/B", "properties": {"c": {}}}},
               "$defs": {"B": {"properties": {"b": {}}}}}
     assert closed_objects(beside) == beside
+    # An allOf of one schema, nothing beside it (a $ref carrying a description), composes nothing.
+    wrapper = closed_objects({"type": "object", "properties": {"when": {"allOf": [{"$ref": "#/$defs/Date"}],
+                                                                       "description": "d"}},
+                              "$defs": {"Date": {"type": "object", "properties": {"y": {}}}}})
+    assert wrapper["additionalProperties"] is False and wrapper["$defs"]["Date"]["additionalProperties"] is False
     # A property named allOf is a name, not composition.
     named = closed_objects({"type": "object", "properties": {"allOf": {"type": "string"}}})
     assert named["additionalProperties"] is False
 
 
 def test_a_schema_nested_past_pythons_stack_is_a_400() -> None:
-    """A RecursionError in the mapping (json.dumps) answered 500 (review 105)."""
+    """A RecursionError in the mapping (json.dumps) answered 500 (review 105), and in a forced
+    tool call's schema, built while the body is validated (review 107)."""
     deep: dict = {"type": "object"}
     for _ in range(2000):
         deep = {"type": "object", "properties": {"a": deep}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(ValidationError, match="nested too deeply"):
+            chat(tools=tools, tool_choice=tool_choice)
+    # 250 levels, which json.loads and the mapping take, are served (the composition check walked
+    # them on the stack and failed from 200).
+    served: dict = {"type": "object"}
+    for _ in range(250):
+        served = {"type": "object", "properties": {"a": served}}
+    assert chat(tools=[{"type": "function", "function": {"name": "f", "parameters": served}}],
+                tool_choice="required").tool_call_schema() is not None
     for fields, param in (({"structured_outputs": {"json": deep}}, "structured_outputs"),
                           ({"guided_json": deep}, "guided_json")):
         with pytest.raises(APIError) as info:

@@ -59,6 +59,24 @@ def test_a_torch_spec_given_once_stays_until_another_is_given(checkout: Path) ->
         "-m pip uninstall --quiet -y torch", "-m pip install --quiet torch==2.13.0"]
 
 
+def test_a_given_spec_survives_a_reinstall_of_the_project(checkout: Path) -> None:
+    """pyproject.toml or the Makefile changed (a git pull): the plain call that reinstalls the project
+    kept the CUDA spec but dropped its given-stamp, and the next plain call put the CPU pin back
+    (review 107)."""
+    make(checkout, "serve", f"TORCH_SPEC={CUDA}")
+    (checkout / "pyproject.toml").write_text((checkout / "pyproject.toml").read_text() + "\n")
+    assert torch_installs(make(checkout, "serve")) == [f"-m pip install --quiet {CUDA}"]
+    assert torch_installs(make(checkout, "serve")) == []
+
+
+def test_a_spec_given_again_as_the_venv_has_it_is_kept_from_then_on(checkout: Path) -> None:
+    """A venv installed before the given-stamp existed: naming its spec again marks it given."""
+    make(checkout, "serve", f"TORCH_SPEC={CUDA}")
+    (checkout / ".venv" / ".torch-spec-given").unlink()
+    assert torch_installs(make(checkout, "serve", f"TORCH_SPEC={CUDA}")) == []
+    assert torch_installs(make(checkout, "serve")) == []
+
+
 def test_a_venv_on_the_pin_follows_it_when_it_moves(checkout: Path) -> None:
     make(checkout, "serve")
     makefile = checkout / "Makefile"
