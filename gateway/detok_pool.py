@@ -79,8 +79,9 @@ class DetokPool:
 
 
 def _idle(replica: DetokClient) -> bool:
-    """Nothing of it is open: its sequences (echo's RenderTokens come after a sequence ends, and
-    closing the channel under one failed its request with a bare 500; review 99)."""
+    """Nothing of it in use: no open sequence, nothing queued, no RenderTokens call (echo's come
+    after its sequence ends, and closing the channel under one failed its request with a bare 500;
+    review 99)."""
     return replica.num_open_sequences == 0 and not replica.has_queued and replica.num_renders == 0
 
 

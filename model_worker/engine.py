@@ -379,8 +379,8 @@ class LLMEngine:
                 child = Sequence(
                     seq_id=next(self._seq_ids), prompt_token_ids=seq.prompt_token_ids, sampling=seq.sampling,
                     max_tokens=seq.max_tokens, stop_token_ids=seq.stop_token_ids,
-                    min_tokens_held_ids=seq.min_tokens_held_ids, num_cached_prompt_tokens=seq.num_cached_prompt_tokens, sample_index=len(group.seqs),
-                    prefix_root=seq.prefix_root,
+                    min_tokens_held_ids=seq.min_tokens_held_ids, num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+                    sample_index=len(group.seqs), prefix_root=seq.prefix_root,
                 )
                 self.scheduler.fork(seq, child)
                 group.seqs.append(child)
